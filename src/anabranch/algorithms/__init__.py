@@ -1,0 +1,10 @@
+"""Advantage estimators, objectives, KL estimators and loss aggregation.
+
+Importing this package registers every built-in algorithm.
+"""
+
+from anabranch.algorithms import grpo  # noqa: F401  (registers entries)
+from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
+from anabranch.algorithms.resolve import Algorithm, resolve_algorithm
+
+__all__ = ["ADVANTAGES", "OBJECTIVES", "RECIPES", "Algorithm", "resolve_algorithm"]

@@ -1,0 +1,56 @@
+"""Loss aggregation shared by every objective, with veRL's four modes.
+
+Given a per-token loss ``L[b,t]`` and response mask ``m[b,t]``:
+
+- ``token-mean``:            Σ_bt m·L / Σ_bt m
+- ``seq-mean-token-sum``:    (1/B) Σ_b Σ_t m·L
+- ``seq-mean-token-mean``:   (1/B) Σ_b (Σ_t m·L / Σ_t m)
+- ``seq-mean-token-sum-norm``: Σ_bt m·L / (B · T_max)   (Dr. GRPO's constant normalizer)
+
+The denominators are those of the *whole* step batch (``total_tokens``, ``total_seqs``), not
+of a micro-batch, so that gradients accumulated over micro-batches add up to the full-batch
+gradient exactly. ``T_max`` is a constant (the configured max response length), not a padded
+width, for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class BatchScale:
+    """Normalizers of the full step batch; ``None`` means use the tensors passed in."""
+
+    total_tokens: Optional[float] = None
+    total_seqs: Optional[float] = None
+    max_response_len: Optional[int] = None
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              scale: BatchScale | None = None) -> torch.Tensor:
+    scale = scale or BatchScale()
+    mask = mask.to(loss_mat.dtype)
+    total_seqs = scale.total_seqs if scale.total_seqs is not None else float(loss_mat.shape[0])
+    if mode == "token-mean":
+        total = scale.total_tokens if scale.total_tokens is not None else mask.sum().clamp(min=1.0)
+        return (loss_mat * mask).sum() / total
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * mask).sum() / total_seqs
+    if mode == "seq-mean-token-mean":
+        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / total_seqs
+    if mode == "seq-mean-token-sum-norm":
+        t_max = scale.max_response_len if scale.max_response_len is not None else loss_mat.shape[-1]
+        return (loss_mat * mask).sum() / (total_seqs * t_max)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {MODES}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)

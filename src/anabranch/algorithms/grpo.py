@@ -1,0 +1,67 @@
+"""GRPO: group-relative advantages and the PPO clipped surrogate.
+
+Advantage (Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+Language Models"), for the G samples of one prompt with rewards r_1..r_G:
+
+    Â_i = (r_i − mean(r)) / (std(r) + ε)        broadcast to every response token of sample i
+
+With ``norm_adv_by_std=False`` the division is dropped: Â_i = r_i − mean(r), as in Dr. GRPO
+(Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"). std is the
+unbiased sample standard deviation, as in the reference implementations.
+
+Objective (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"), per token with
+ratio ρ = exp(log π_θ − log π_old):
+
+    L = −min(ρ·Â, clip(ρ, 1 − ε_low, 1 + ε_high)·Â)
+
+aggregated by ``loss_agg_mode`` (token-mean for GRPO as in DAPO/veRL). ε_high > ε_low gives
+DAPO's clip-higher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anabranch.algorithms.aggregation import masked_mean
+from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
+
+
+def group_stats(values: torch.Tensor, group_index: torch.Tensor):
+    """Per-sample mean and unbiased std of its group (std=0 for groups of one)."""
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    n = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, inverse, torch.ones_like(values))
+    s = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, inverse, values)
+    mean = s / n
+    dev2 = torch.zeros(len(groups), dtype=values.dtype).index_add_(0, inverse, (values - mean[inverse]) ** 2)
+    std = torch.where(n > 1, (dev2 / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
+    return mean[inverse], std[inverse]
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantage(rewards, group_index, response_mask, cfg, **_):
+    rewards = rewards.to(torch.float32)
+    mean, std = group_stats(rewards, group_index)
+    adv = rewards - mean
+    if cfg.norm_adv_by_std:
+        adv = adv / (std + cfg.adv_epsilon)
+    return adv[:, None] * response_mask.to(adv.dtype)
+
+
+@OBJECTIVES.register("ppo_clip", needs=())
+def ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
+    cfg = ctx.cfg
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    loss = ctx.aggregate(loss_mat, response_mask)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, response_mask).item(),
+        }
+    return loss, metrics
+
+
+RECIPES.register("grpo")({"advantage": "grpo", "loss": "ppo_clip", "loss_agg_mode": "token-mean"})

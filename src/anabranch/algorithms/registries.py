@@ -1,0 +1,16 @@
+"""The algorithm registries and their fixed signatures.
+
+- ``ADVANTAGES[name](rewards[B], group_index[B], response_mask[B,T], cfg, **extra) -> advantages[B,T]``
+- ``OBJECTIVES[name](log_prob[B,T], old_log_prob[B,T], advantages[B,T], response_mask[B,T], ctx)
+  -> (loss, metrics)``; registered with ``needs=(...)`` naming the extra inputs it reads from
+  ``ctx`` (``ref_log_prob``, ``old_log_prob``, ``entropy``, ``hidden``), so the trainer computes
+  only those.
+- ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults
+  (``algorithm.name=dapo`` fills ``advantage``, ``loss``, clip ranges, ...).
+"""
+
+from anabranch.registry import Registry
+
+ADVANTAGES: Registry = Registry("advantage estimator")
+OBJECTIVES: Registry = Registry("objective")
+RECIPES: Registry = Registry("algorithm recipe")

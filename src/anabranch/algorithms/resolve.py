@@ -1,0 +1,60 @@
+"""From ``AlgorithmConfig`` to the functions the trainer calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from anabranch.algorithms.aggregation import MODES
+from anabranch.algorithms.kl import ESTIMATORS
+from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
+from anabranch.config import AlgorithmConfig, ConfigError
+
+
+@dataclass
+class Algorithm:
+    cfg: AlgorithmConfig
+    advantage: Callable
+    objective: Callable
+    needs: frozenset = field(default_factory=frozenset)
+
+
+def apply_recipe(cfg: AlgorithmConfig) -> AlgorithmConfig:
+    """Fill the fields the user left at their defaults from the named recipe."""
+    if cfg.name not in RECIPES:
+        try:
+            RECIPES.get(cfg.name)
+        except KeyError as exc:
+            raise ConfigError(f"algorithm.name: {exc.args[0]}") from None
+    recipe = dict(RECIPES.get(cfg.name))
+    defaults = AlgorithmConfig()
+    updates = {}
+    for key, value in recipe.items():
+        if not hasattr(cfg, key):
+            raise ConfigError(f"recipe {cfg.name!r} sets unknown algorithm key {key!r}")
+        if getattr(cfg, key) == getattr(defaults, key):  # the user did not set it
+            updates[key] = value
+    return dataclasses.replace(cfg, **updates)
+
+
+def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
+    cfg = apply_recipe(cfg)
+    for key, registry in (("advantage", ADVANTAGES), ("loss", OBJECTIVES)):
+        name = getattr(cfg, key)
+        try:
+            registry.get(name)
+        except KeyError as exc:
+            raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
+    if cfg.loss_agg_mode not in MODES:
+        raise ConfigError(f"algorithm.loss_agg_mode {cfg.loss_agg_mode!r} is not one of {MODES}")
+    if cfg.kl_estimator not in ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
+    needs = set(OBJECTIVES.meta(cfg.loss).get("needs", ()))
+    needs |= set(ADVANTAGES.meta(cfg.advantage).get("needs", ()))
+    if cfg.kl_coef > 0:
+        needs.add("ref_log_prob")
+    if cfg.ppo_epochs > 1:
+        needs.add("old_log_prob")
+    return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
+                     objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs))

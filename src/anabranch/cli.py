@@ -1,0 +1,47 @@
+"""Command line: ``anabranch train [--config FILE] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from anabranch.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="anabranch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train a model with RL (defaults: packaged SmolLM2, GRPO, basic_arithmetic)")
+    p_train.add_argument("--config", "-c", default=None, help="YAML config file")
+    p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 trainer.steps=20")
+    p_train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+
+    if args.command == "train":
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError as exc:
+            print(f"anabranch: config error: {exc}", file=sys.stderr)
+            return 2
+        if args.print_config:
+            print(cfg.to_yaml())
+            return 0
+        from anabranch.trainer.loop import train
+
+        try:
+            result = train(cfg)
+        except ConfigError as exc:
+            print(f"anabranch: error: {exc}", file=sys.stderr)
+            return 2
+        before, after = result.accuracy_before, result.accuracy_after
+        if before is not None and after is not None:
+            print(f"held-out accuracy: before {before:.3f} -> after {after:.3f} ({after - before:+.3f})")
+        print(f"run directory: {result.run_dir}")
+        if result.final_model_dir:
+            print(f"final checkpoint (Hugging Face format): {result.final_model_dir}")
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Built-in tasks and the user's own datasets, as lists of ``{"question", "answer", ...}`` rows.
+
+Procedural tasks come from reasoning-gym: the training split and the held-out split are drawn
+with different seeds, and held-out questions that also occur in training are removed.
+"""
+
+from __future__ import annotations
+
+from anabranch.config import ConfigError, TaskConfig
+from anabranch.data.files import DataError, check_columns, load_rows
+from anabranch.registry import Registry
+
+TASKS: Registry = Registry("task")
+
+# Defaults that a 135M model can learn on a CPU in minutes; task.params overrides them.
+REASONING_GYM_DEFAULTS = {
+    "basic_arithmetic": dict(
+        min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"],
+        allow_parentheses=False, allow_negation=False,
+    ),
+    "chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
+}
+
+
+def load_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) for ``cfg``."""
+    if cfg.name == "file":
+        return _file_task(cfg)
+    if cfg.name in TASKS:
+        return TASKS.get(cfg.name)(cfg)
+    name = cfg.name.removeprefix("reasoning_gym:")
+    if _is_reasoning_gym(name):
+        return reasoning_gym_task(cfg, name)
+    raise ConfigError(
+        f"unknown task {cfg.name!r} in task.name: use a built-in task ({', '.join(TASKS.names())}), "
+        "any reasoning-gym dataset name, or task.name=file with task.path=..."
+    )
+
+
+def _is_reasoning_gym(name: str) -> bool:
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        return False
+    return name in DATASETS
+
+
+def reasoning_gym_task(cfg: TaskConfig, name: str) -> tuple[list[dict], list[dict]]:
+    import reasoning_gym
+
+    params = {**REASONING_GYM_DEFAULTS.get(name, {}), **cfg.params}
+    try:
+        # Held-out problems come from their own seed and are removed from the training split,
+        # so that the held-out accuracy measures problems never trained on.
+        held = reasoning_gym.create_dataset(name, size=max(4 * cfg.eval_size, 1), seed=cfg.seed + 10_007, **params)
+        train = reasoning_gym.create_dataset(name, size=cfg.train_size, seed=cfg.seed, **params)
+    except TypeError as exc:
+        raise ConfigError(f"task.params {cfg.params} do not fit reasoning-gym task {name!r}: {exc}") from exc
+    eval_rows, seen = [], set()
+    for entry in held:
+        if entry["question"] not in seen and len(eval_rows) < cfg.eval_size:
+            seen.add(entry["question"])
+            eval_rows.append(_rg_row(held, entry))
+    train_rows = [_rg_row(train, e) for e in train if e["question"] not in seen]
+    if not train_rows:
+        raise DataError(f"task {name!r} with params {params} has no training problems left after "
+                        f"removing the {len(eval_rows)} held-out ones; lower task.eval_size or widen task.params")
+    return train_rows, eval_rows
+
+
+def _rg_row(dataset, entry: dict) -> dict:
+    # The reasoning-gym entry is kept so that its own scorer can be used as a reward.
+    return {"question": entry["question"], "answer": str(entry["answer"]), "task": "reasoning_gym",
+            "rg_entry": entry, "rg_dataset": dataset}
+
+
+def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
+    if not cfg.path:
+        raise ConfigError("task.name=file needs task.path=FILE (.jsonl, .parquet, .csv, a saved dataset, or hf:ID)")
+    rows = check_columns(load_rows(cfg.path, cfg.split), cfg.path, cfg.prompt_column, cfg.answer_column)
+    if cfg.eval_split:
+        held = check_columns(load_rows(cfg.path, cfg.eval_split), f"{cfg.path}[{cfg.eval_split}]",
+                             cfg.prompt_column, cfg.answer_column)
+        return rows[: cfg.train_size], held[: cfg.eval_size]
+    # No held-out split given: keep the last eval_size rows out of training.
+    n_eval = min(cfg.eval_size, len(rows) // 2)
+    train, held = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+    if not train:
+        raise DataError(f"dataset {cfg.path} has too few rows ({len(rows)}) to train on")
+    return train[: cfg.train_size], held
+
+
+__all__ = ["TASKS", "load_task", "DataError"]

@@ -1,0 +1,58 @@
+"""Per-token log-probabilities and entropies of response tokens.
+
+Only the response positions are projected to the vocabulary (``logits_to_keep``), and the
+log-softmax is evaluated in row chunks as ``logit[token] − logsumexp(logits)`` so that no second
+vocabulary-sized float tensor for the whole batch is materialized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ForwardOut:
+    log_probs: torch.Tensor            # [B, R]
+    entropy: Optional[torch.Tensor]    # [B, R] (detached unless requested with grad)
+    hidden: Optional[torch.Tensor]     # [B, P+R, H] last-layer hidden states
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Same positions as `generate` uses for left-padded prompts.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                     temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
+                     hidden: bool = False, chunk_rows: int = 4) -> ForwardOut:
+    """Forward ``[prompt | response]`` sequences; return log π(response tokens)."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_len + 1,
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :]  # position t predicts token t+1
+    targets = input_ids[:, -response_len:]
+    lps, ents = [], []
+    for start in range(0, logits.shape[0], chunk_rows):
+        block = logits[start:start + chunk_rows].float()
+        if temperature != 1.0 and temperature > 0:
+            block = block / temperature
+        lse = torch.logsumexp(block, dim=-1)
+        tok = block.gather(-1, targets[start:start + chunk_rows, :, None]).squeeze(-1)
+        lps.append(tok - lse)
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                probs = torch.softmax(block, dim=-1)
+                ents.append(lse - (probs * block).sum(-1))
+    return ForwardOut(
+        log_probs=torch.cat(lps),
+        entropy=torch.cat(ents) if entropy else None,
+        hidden=out.hidden_states[-1] if hidden else None,
+    )

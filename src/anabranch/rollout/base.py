@@ -1,0 +1,55 @@
+"""What a rollout backend returns, and the registry of backends.
+
+A backend is built as ``ROLLOUT_BACKENDS[name](model, tokenizer, rollout_cfg)`` and offers
+``generate(prompts, n, greedy=False, max_new_tokens=None) -> Rollout`` and
+``sync_weights(model)`` (called after each optimizer step; a no-op when the backend samples
+from the training model itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from anabranch.registry import Registry
+
+ROLLOUT_BACKENDS: Registry = Registry("rollout backend")
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor        # [B, P] left-padded
+    prompt_mask: torch.Tensor       # [B, P]
+    response_ids: torch.Tensor      # [B, R] right-padded after EOS
+    response_mask: torch.Tensor     # [B, R] 1 for generated tokens up to and including EOS
+    group_index: torch.Tensor       # [B] which prompt each sequence answers
+    prompts: list                   # [num_prompts] prompt texts
+    completions: list               # [B] decoded response texts
+    truncated: torch.Tensor         # [B] bool: hit max_new_tokens without EOS
+    sample_log_probs: Optional[torch.Tensor] = None  # [B, R] from the sampler, when it gives them
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+
+def response_mask_from_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask through the first EOS (inclusive); rows with no EOS are truncated."""
+    is_eos = torch.zeros_like(response_ids, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= response_ids == e
+    # Number of EOS tokens strictly before each position.
+    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    mask = (before == 0).long()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated

@@ -1,0 +1,79 @@
+"""Rollouts with ``transformers``' ``generate`` on the training model itself."""
+
+from __future__ import annotations
+
+import torch
+
+from anabranch.config import RolloutConfig
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, gen_eos):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+@ROLLOUT_BACKENDS.register("hf")
+class HFGenerateBackend:
+    def __init__(self, model, tokenizer, cfg: RolloutConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.eos_ids = eos_token_ids(model, tokenizer)
+
+    def sync_weights(self, model) -> None:  # samples from the training model: nothing to sync
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, greedy: bool = False,
+                 max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
+        tok = self.tokenizer
+        max_new = max_new_tokens or self.cfg.max_new_tokens
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(self.model.parameters()).device
+        prompt_ids = enc["input_ids"].repeat_interleave(n, dim=0)
+        prompt_mask = enc["attention_mask"].repeat_interleave(n, dim=0)
+        group_index = torch.arange(len(prompts)).repeat_interleave(n)
+        chunk = self.cfg.generation_batch_size or prompt_ids.shape[0]
+        sample = not greedy and self.cfg.temperature > 0
+        kwargs = dict(
+            do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
+            eos_token_id=self.eos_ids, use_cache=True,
+        )
+        if sample:
+            kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
+        else:  # silence generation_config's sampling defaults
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        was_training = self.model.training
+        self.model.eval()
+        pieces = []
+        try:
+            for start in range(0, prompt_ids.shape[0], chunk):
+                ids = prompt_ids[start:start + chunk].to(device)
+                mask = prompt_mask[start:start + chunk].to(device)
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+                pieces.append(out[:, ids.shape[1]:].cpu())
+        finally:
+            self.model.train(was_training)
+        width = max(p.shape[1] for p in pieces)
+        pad = tok.pad_token_id
+        response_ids = torch.cat(
+            [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces]
+        )
+        response_mask, truncated = response_mask_from_eos(response_ids, self.eos_ids)
+        response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
+        completions = [
+            tok.decode(row[m.bool()], skip_special_tokens=True)
+            for row, m in zip(response_ids, response_mask)
+        ]
+        return Rollout(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+            response_mask=response_mask, group_index=group_index, prompts=list(prompts),
+            completions=completions, truncated=truncated,
+        )

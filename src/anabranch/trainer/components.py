@@ -1,0 +1,124 @@
+"""Building everything a run needs from its config, in the order that fails fastest:
+config checks, data and rewards first (cheap), models last (expensive)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from anabranch.algorithms import Algorithm, resolve_algorithm
+from anabranch.config import Config, ConfigError
+from anabranch.data.prompts import build_prompt
+from anabranch.data.tasks import load_task
+from anabranch.models.loading import load_model, load_tokenizer
+from anabranch.rewards import RewardSource, build_rewards
+from anabranch.rollout import ROLLOUT_BACKENDS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    cfg: Config
+    algo: Algorithm
+    rewards: list[RewardSource]
+    tokenizer: Any
+    model: Any
+    ref_model: Any
+    backend: Any
+    optimizer: Any
+    device: torch.device
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    modules: dict
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build(cfg: Config) -> Components:
+    algo = resolve_algorithm(cfg.algorithm)
+    if algo.advantage.__name__ == "grpo_advantage" and cfg.rollout.n < 2:
+        raise ConfigError("rollout.n must be >= 2 for group-relative advantages (got 1)")
+    try:
+        ROLLOUT_BACKENDS.get(cfg.rollout.backend)
+    except KeyError as exc:
+        raise ConfigError(f"rollout.backend: {exc.args[0]}") from None
+    rewards = build_rewards(cfg.reward)
+    if cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    seed_everything(cfg.trainer.seed)
+    device = pick_device(cfg.trainer.device)
+
+    tokenizer = load_tokenizer(cfg.model)
+    train_rows, eval_rows = load_task(cfg.task)
+    train_prompts = [build_prompt(r, cfg.task, tokenizer) for r in train_rows]
+    eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
+    _check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg.task.max_prompt_tokens)
+
+    model = load_model(cfg.model, device, trainable=True)
+    ref_model = load_model(cfg.model, device, trainable=False) if "ref_log_prob" in algo.needs else None
+    backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
+                      train_rows, eval_rows, train_prompts, eval_prompts, modules={})
+
+
+def _check_prompt_lengths(prompts: list[str], tokenizer, limit: int) -> None:
+    for i, text in enumerate(prompts):
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > limit:
+            raise ConfigError(
+                f"prompt {i} is {n} tokens long, more than task.max_prompt_tokens={limit}; "
+                "raise task.max_prompt_tokens or shorten the prompts"
+            )
+
+
+def lr_lambda(cfg: Config):
+    t = cfg.trainer
+
+    def fn(step: int) -> float:
+        warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0
+        if t.lr_schedule == "cosine" and t.steps > 0:
+            import math
+
+            return warm * 0.5 * (1 + math.cos(math.pi * min(step, t.steps) / t.steps))
+        if t.lr_schedule == "linear" and t.steps > 0:
+            return warm * max(0.0, 1 - step / t.steps)
+        return warm
+
+    if t.lr_schedule not in ("constant", "cosine", "linear"):
+        raise ConfigError(f"trainer.lr_schedule {t.lr_schedule!r} is not one of constant, cosine, linear")
+    return fn
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("transformers", "datasets", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - transformers always present in practice
+        pass

@@ -1,0 +1,33 @@
+"""Seeded prompt order over epochs, with a position that a checkpoint can store."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PromptSampler:
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = size, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._perm()
+
+    def _perm(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.size, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.size:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._perm()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._perm()
