@@ -75,8 +75,12 @@ def test_kl_to_reference_loads_reference_and_logs_kl(tiny_model_dir, write_jsonl
 
 
 def run_cli(*args, cwd=None):
+    import os
+
+    src = str(Path(__file__).parents[1] / "src")  # this checkout's code, installed or not
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "anabranch", *args], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+                          timeout=600, cwd=cwd, env=env)
 
 
 def test_cli_rejects_unknown_key_before_any_work():

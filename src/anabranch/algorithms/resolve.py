@@ -18,6 +18,10 @@ class Algorithm:
     advantage: Callable
     objective: Callable
     needs: frozenset = field(default_factory=frozenset)
+    # name -> factory(model_config, algorithm_cfg) -> nn.Module: extra trainable heads the
+    # objective reads from ctx.modules (a log Z head, a value head). Registered with the
+    # objective as ``modules={...}``; trained with the policy, saved in checkpoints, never exported.
+    module_factories: dict = field(default_factory=dict)
 
 
 def apply_recipe(cfg: AlgorithmConfig) -> AlgorithmConfig:
@@ -56,5 +60,6 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
         needs.add("ref_log_prob")
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
+    factories = {**ADVANTAGES.meta(cfg.advantage).get("modules", {}), **OBJECTIVES.meta(cfg.loss).get("modules", {})}
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
-                     objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs))
+                     objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories)

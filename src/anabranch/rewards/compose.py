@@ -30,11 +30,17 @@ def build_rewards(cfg: RewardConfig) -> list[RewardSource]:
 
 
 def score(sources: list[RewardSource], prompts: list[str], completions: list[str],
-          rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
-    """Total reward per completion and each source's raw values (``rows`` aligned with completions)."""
+          rows: list[dict], group_index: list[int] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Total reward per completion and each source's raw values (``rows`` aligned with completions).
+
+    ``group_index`` (which prompt each completion answers) is passed to reward functions as a
+    field too, so that group-level rewards (majority vote) can see a prompt's samples together.
+    """
     fields: dict[str, list] = {}
     for key in rows[0] if rows else []:
         fields[key] = [r.get(key) for r in rows]
+    if group_index is not None:
+        fields["group_index"] = list(group_index)
     per_source: dict[str, list[float]] = {}
     total = [0.0] * len(completions)
     for src in sources:

@@ -76,11 +76,21 @@ def build(cfg: Config) -> Components:
     model = load_model(cfg.model, device, trainable=True)
     ref_model = load_model(cfg.model, device, trainable=False) if "ref_log_prob" in algo.needs else None
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
-    params = [p for p in model.parameters() if p.requires_grad]
-    t = cfg.trainer
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
+    optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
-                      train_rows, eval_rows, train_prompts, eval_prompts, modules={})
+                      train_rows, eval_rows, train_prompts, eval_prompts, modules=modules)
+
+
+def build_optimizer(cfg: Config, model, modules: dict):
+    """AdamW over the policy and any extra heads; a head may set ``lr_multiplier``."""
+    t = cfg.trainer
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": t.lr}]
+    for module in modules.values():
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:
+            groups.append({"params": params, "lr": t.lr * getattr(module, "lr_multiplier", 1.0)})
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
 
 
 def _check_prompt_lengths(prompts: list[str], tokenizer, limit: int) -> None:

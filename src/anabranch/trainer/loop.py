@@ -61,7 +61,8 @@ def train(cfg: Config) -> TrainResult:
         t_gen = time.perf_counter() - t0
         rows = [c.train_rows[idx[g]] for g in rollout.group_index.tolist()]
         seq_prompts = [rollout.prompts[g] for g in rollout.group_index.tolist()]
-        total, per_source = score(c.rewards, seq_prompts, rollout.completions, rows)
+        total, per_source = score(c.rewards, seq_prompts, rollout.completions, rows,
+                                  group_index=rollout.group_index.tolist())
         rewards = torch.tensor(total, dtype=torch.float32)
         advantages = c.algo.advantage(rewards, rollout.group_index, rollout.response_mask.float(), c.algo.cfg)
         metrics = policy_update(

@@ -71,7 +71,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     # With one pass over the batch, π_old = π_θ exactly, so that forward pass is skipped.
     old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature) if "old_log_prob" in algo.needs else None
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
-    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
 
     totals: dict[str, float] = {}
     skipped = 0
