@@ -59,7 +59,7 @@ def test_compare_trains_each_recipe_and_writes_report(tiny_model_dir, write_json
         RECIPES.register("test-drgrpo")({"advantage": "grpo", "loss": "ppo_clip", "norm_adv_by_std": False})
     algos = parse_algorithms("grpo,test-drgrpo")
     overrides = tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path,
-                               **{"trainer.steps": 2, "trainer.eval_every": 1, "trainer.run_name": "cmp",
+                               **{"trainer.steps": 2, "trainer.eval_every": 1, "trainer.run_name": "cmp", "task.eval_size": 4,
                                   "trainer.tensorboard": False})
     runs, report = run_compare(algos, None, overrides, EvalSettings(n=2, embeddings=False, greedy=False))
     assert [r.name for r in runs] == ["grpo", "test-drgrpo"]

@@ -184,6 +184,8 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
     result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}
     plots.plot_passk({e["label"]: e["pass@k"] for e in entries}, out / "passk.png")
     result["map"] = plots.plot_high_reward_map(highs, out / "map.png", settings.map_problems)
+    if result["map"] is None:
+        print("no map of high-reward completions: no problem had 3 or more (or embeddings were off)")
     _write(out / "passk.json", result)
     return result
 
