@@ -1,4 +1,5 @@
-"""Command line: ``anabranch train [--config FILE] [key=value ...]``."""
+"""Command line: ``anabranch train [--config FILE] [key=value ...]``, and ``eval``, ``compare``,
+``report`` (see :mod:`anabranch.eval.cli_eval`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from anabranch.config import ConfigError, load_config
+from anabranch.eval import cli_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--config", "-c", default=None, help="YAML config file")
     p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 trainer.steps=20")
     p_train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    cli_eval.add_subcommands(sub)
     args = parser.parse_args(argv)
+    if args.command in cli_eval.COMMANDS:
+        return cli_eval.run(args)
 
     if args.command == "train":
         try:

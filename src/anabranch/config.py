@@ -122,6 +122,9 @@ class TrainerConfig:
     eval_after: bool = True
     eval_every: int = 0
     eval_max_new_tokens: int = 0
+    # Model Collapse Step (summary.json): the held-out accuracy peak after which accuracy falls by
+    # at least this much (absolute); meaningful with label-free rewards and trainer.eval_every > 0.
+    collapse_margin: float = 0.1
     save_every: int = 0
     output_dir: str = "runs"
     run_name: Optional[str] = None
@@ -342,6 +345,7 @@ def validate(cfg: Config) -> None:
          "must be one of float32, bfloat16, float16"),
         (cfg.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1"),
         (cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0"),
+        (cfg.trainer.collapse_margin > 0, "trainer.collapse_margin", "must be > 0"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
     ]
     for ok, key, why in checks:

@@ -10,6 +10,9 @@ import torch
 
 from anabranch.config import Config
 from anabranch.eval.accuracy import correctness_source, greedy_accuracy
+from anabranch.eval.answers import extract_answer
+from anabranch.eval.collapse import collapse_report
+from anabranch.eval.diversity import group_distinct_answers
 from anabranch.rewards import score
 from anabranch.trainer.checkpoint import export_hf, save_checkpoint
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
@@ -93,7 +96,9 @@ def train(cfg: Config) -> TrainResult:
     if cfg.trainer.save_final:
         result.final_model_dir = export_hf(c.model, c.tokenizer, run.path / "final")
     run.write_json("summary.json", {"accuracy_before": result.accuracy_before,
-                                    "accuracy_after": result.accuracy_after, "steps": cfg.trainer.steps})
+                                    "accuracy_after": result.accuracy_after, "steps": cfg.trainer.steps,
+                                    "model_collapse": collapse_report(run.path / "metrics.jsonl",
+                                                                      cfg.trainer.collapse_margin)})
     run.close()
     return result
 
@@ -109,6 +114,8 @@ def rollout_metrics(rewards: torch.Tensor, per_source: dict, rollout, acc_src) -
         "response_length/mean": lengths.mean().item(),
         "response_length/truncated_frac": rollout.truncated.float().mean().item(),
         "groups/all_equal_frac": sum(same) / max(len(same), 1),
+        "groups/distinct_answers": group_distinct_answers([extract_answer(c) for c in rollout.completions],
+                                                          groups.tolist()),
     }
     for name, values in per_source.items():
         out[f"reward/{name}"] = sum(values) / max(len(values), 1)

@@ -1,0 +1,89 @@
+"""The ``eval``, ``compare`` and ``report`` subcommands (registered on the main parser by cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+COMMANDS = ("eval", "compare", "report")
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k expects integers separated by commas, got {text!r}") from None
+
+
+def _add_sampling(p) -> None:
+    p.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
+    p.add_argument("--k", type=_ks, default=[], help="k values for pass@k and maj@k, e.g. 1,4,16 (default 1,2,4,..,n)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0: the config's eval/rollout length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")
+    p.add_argument("--no-embeddings", action="store_true", help="skip embedding diversity and the PCA map")
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("eval", help="pass@k, maj@k, greedy accuracy and diversity of one or more models")
+    p.add_argument("args", nargs="+", metavar="MODEL_OR_KEY=VALUE",
+                   help="models (HF path/id, run directory, checkpoint folder), then dotted config overrides")
+    p.add_argument("--config", "-c", default=None, help="YAML config for the task (default: the first run's config)")
+    p.add_argument("--out", "-o", default=None, help="output folder (default eval-<time>)")
+    _add_sampling(p)
+
+    p = sub.add_parser("compare", help="train the same job with several algorithms and write one report")
+    p.add_argument("--algorithms", "-a", required=True, help="comma-separated recipe names, e.g. grpo,flowrl,dapo")
+    p.add_argument("--config", "-c", default=None, help="YAML config shared by every run")
+    p.add_argument("--eval-n", type=int, default=0, help="after training, sample this many completions per "
+                   "held-out problem for pass@k and diversity (0: skip)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides shared by every run")
+
+    p = sub.add_parser("report", help="one self-contained HTML page comparing run directories")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", "-o", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("--title", default="anabranch report")
+
+
+def settings_from(args, n: int | None = None):
+    from anabranch.eval.runner import EvalSettings
+
+    return EvalSettings(n=n or args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed, greedy=not args.no_greedy,
+                        embeddings=not args.no_embeddings)
+
+
+def run(args) -> int:
+    from anabranch.config import ConfigError
+
+    try:
+        if args.command == "eval":
+            from anabranch.eval.runner import run_eval
+
+            models = [a for a in args.args if "=" not in a]
+            overrides = [a for a in args.args if "=" in a]
+            if not models:
+                raise ConfigError("name at least one model: anabranch eval MODEL [MODEL...] [key=value ...]")
+            out = args.out or f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+            run_eval(models, args.config, overrides, settings_from(args), out)
+            print(f"wrote {out}/passk.json and {out}/passk.png")
+        elif args.command == "compare":
+            from anabranch.eval.compare import parse_algorithms, run_compare
+            from anabranch.eval.runner import EvalSettings
+
+            algos = parse_algorithms(args.algorithms)
+            settings = EvalSettings(n=args.eval_n) if args.eval_n > 0 else None
+            runs, report = run_compare(algos, args.config, args.overrides, settings)
+            print("runs: " + ", ".join(str(r) for r in runs))
+            print(f"report: {report}")
+        elif args.command == "report":
+            from anabranch.eval.report import write_report
+
+            print(f"report: {write_report(args.runs, args.out, args.title)}")
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"anabranch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

