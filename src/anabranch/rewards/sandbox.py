@@ -78,13 +78,29 @@ class SandboxResult:
 
 
 def _set_limits(limits: SandboxLimits):
+    libc = _libc()
+
     def apply():
+        if libc is not None:
+            # Die with the thread that started us: a reward worker killed at its own deadline
+            # takes its sandboxes down too (they are in their own sessions, out of its group).
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         os.umask(0o077)
         for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mb * MB),
                            (resource.RLIMIT_NPROC, limits.nproc), (resource.RLIMIT_FSIZE, limits.fsize_mb * MB),
                            (resource.RLIMIT_NOFILE, limits.nofile), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(res, (value, value))
     return apply
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def _clean_env(workdir: str) -> dict:
