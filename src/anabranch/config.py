@@ -95,6 +95,8 @@ class RewardFunctionConfig:
     name: str = "math_verify"
     weight: float = 1.0
     params: dict = field(default_factory=dict)
+    # This function's deadline in seconds; None uses reward.timeout_s.
+    timeout_s: Optional[float] = None
 
 
 @dataclass

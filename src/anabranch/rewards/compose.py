@@ -52,7 +52,10 @@ def build_rewards(cfg: RewardConfig) -> list[RewardSource]:
             raise ConfigError(f"reward.functions: {exc.args[0] if exc.args else exc}") from None
         if not callable(fn):
             raise ConfigError(f"reward.functions: {item.name!r} is not callable")
-        guard = GuardSettings(cfg.timeout_s, cfg.isolation, cfg.strict)
+        timeout = item.timeout_s if item.timeout_s is not None else cfg.timeout_s
+        if timeout <= 0:
+            raise ConfigError(f"reward.functions: {item.name!r} timeout_s must be positive (got {timeout})")
+        guard = GuardSettings(timeout, cfg.isolation, cfg.strict)
         sources.append(RewardSource(item.name, item.weight, fn, dict(item.params), dict(meta), guard))
     return sources
 
