@@ -98,3 +98,19 @@ def test_reasoning_gym_scorer_uses_the_dataset():
     assert vals == [1.0, 1.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="reasoning-gym task"):
         reasoning_gym_reward(None, ["1"], answer=["1"])
+
+
+def test_extractors_never_raise_on_arbitrary_text():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    alphabet = st.sampled_from(list("0123456789-.,/{}\\boxed answerAnswer:<>/ \n*=$"))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.one_of(st.text(), st.text(alphabet=alphabet)))
+    def check(text):
+        for fn in (extract_answer, extract_boxed, extract_answer_line, extract_last_number):
+            out = fn(text)
+            assert out is None or isinstance(out, str)
+
+    check()
