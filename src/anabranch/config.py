@@ -95,12 +95,21 @@ class RewardFunctionConfig:
     name: str = "math_verify"
     weight: float = 1.0
     params: dict = field(default_factory=dict)
+    # This function's deadline in seconds; None uses reward.timeout_s.
+    timeout_s: Optional[float] = None
 
 
 @dataclass
 class RewardConfig:
     functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
+    # Deadline for one reward function call on a step's batch; past it the call gives 0 and counts
+    # as a failure (reward/<name>/failures).
     timeout_s: float = 10.0
+    # Where reward functions run: "process" (a forked child, killed with its group at the deadline),
+    # "thread" (a worker thread, abandoned at the deadline) or "none" (inline, no deadline).
+    isolation: str = "process"
+    # Stop the run on the first reward failure instead of scoring 0.
+    strict: bool = False
 
 
 @dataclass
@@ -346,6 +355,9 @@ def validate(cfg: Config) -> None:
         (cfg.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1"),
         (cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0"),
         (cfg.trainer.collapse_margin > 0, "trainer.collapse_margin", "must be > 0"),
+        (cfg.reward.timeout_s > 0, "reward.timeout_s", "must be positive"),
+        (cfg.reward.isolation in ("process", "thread", "none"), "reward.isolation",
+         "must be one of process, thread, none"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
     ]
     for ok, key, why in checks:

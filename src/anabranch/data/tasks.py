@@ -91,3 +91,6 @@ def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
 
 
 __all__ = ["TASKS", "load_task", "DataError"]
+
+# Built-in tasks defined in their own modules register themselves on import.
+from anabranch.data import humaneval  # noqa: E402,F401

@@ -1,7 +1,11 @@
 """Reward functions; importing this package registers the built-in ones."""
 
-from anabranch.rewards import math_answer  # noqa: F401
-from anabranch.rewards.compose import RewardSource, build_rewards, score
+from anabranch.rewards import (  # noqa: F401 - registration
+    code_exec, format_reward, intrinsic, judge, length, majority_vote, math_answer, reasoning_gym_score,
+)
+from anabranch.rewards.compose import RewardSource, Scored, build_rewards, score, score_detailed
+from anabranch.rewards.guard import RewardError, RewardOutput
 from anabranch.rewards.registry import REWARDS
 
-__all__ = ["REWARDS", "RewardSource", "build_rewards", "score"]
+__all__ = ["REWARDS", "RewardError", "RewardOutput", "RewardSource", "Scored", "build_rewards", "score",
+           "score_detailed"]

@@ -1,11 +1,24 @@
-"""Weighted sum of several reward functions, each reported as its own metric."""
+"""Weighted sum of several reward functions, each reported as its own metric.
+
+Each source is called through :func:`anabranch.rewards.guard.guarded_call` (deadline, isolation,
+failure counting). A source whose registry meta says ``in_process=True`` (it needs the live policy
+or a loaded model) runs in a worker thread instead of a forked process.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from anabranch.config import ConfigError, RewardConfig
+from anabranch.rewards.guard import guarded_call
 from anabranch.rewards.registry import REWARDS
+
+
+@dataclass
+class GuardSettings:
+    timeout_s: float = 10.0
+    isolation: str = "process"
+    strict: bool = False
 
 
 @dataclass
@@ -14,6 +27,19 @@ class RewardSource:
     weight: float
     fn: object
     params: dict
+    meta: dict = field(default_factory=dict)
+    guard: "GuardSettings" = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.guard is None:
+            self.guard = GuardSettings()
+
+
+@dataclass
+class Scored:
+    total: list[float]
+    per_source: dict[str, list[float]]
+    metrics: dict[str, float]  # reward/<name>/failures and each source's own metrics
 
 
 def build_rewards(cfg: RewardConfig) -> list[RewardSource]:
@@ -21,33 +47,62 @@ def build_rewards(cfg: RewardConfig) -> list[RewardSource]:
     for item in cfg.functions:
         try:
             fn = REWARDS.get(item.name)
+            meta = REWARDS.meta(item.name)
         except (KeyError, ImportError, AttributeError, ValueError) as exc:
             raise ConfigError(f"reward.functions: {exc.args[0] if exc.args else exc}") from None
         if not callable(fn):
             raise ConfigError(f"reward.functions: {item.name!r} is not callable")
-        sources.append(RewardSource(item.name, item.weight, fn, dict(item.params)))
+        timeout = item.timeout_s if item.timeout_s is not None else cfg.timeout_s
+        if timeout <= 0:
+            raise ConfigError(f"reward.functions: {item.name!r} timeout_s must be positive (got {timeout})")
+        guard = GuardSettings(timeout, cfg.isolation, cfg.strict)
+        sources.append(RewardSource(item.name, item.weight, fn, dict(item.params), dict(meta), guard))
     return sources
 
 
-def score(sources: list[RewardSource], prompts: list[str], completions: list[str],
-          rows: list[dict], group_index: list[int] | None = None) -> tuple[list[float], dict[str, list[float]]]:
-    """Total reward per completion and each source's raw values (``rows`` aligned with completions).
+def score_detailed(sources: list[RewardSource], prompts: list[str], completions: list[str], rows: list[dict],
+                   group_index: list[int] | None = None, extra_fields: dict | None = None) -> Scored:
+    """Total reward per completion, each source's values, and failure/source metrics.
 
     ``group_index`` (which prompt each completion answers) is passed to reward functions as a
     field too, so that group-level rewards (majority vote) can see a prompt's samples together.
+    ``extra_fields`` (aligned lists, e.g. ``response_length`` or token statistics) are added.
     """
     fields: dict[str, list] = {}
     for key in rows[0] if rows else []:
         fields[key] = [r.get(key) for r in rows]
     if group_index is not None:
         fields["group_index"] = list(group_index)
+    fields.update(extra_fields or {})
     per_source: dict[str, list[float]] = {}
+    metrics: dict[str, float] = {}
     total = [0.0] * len(completions)
     for src in sources:
-        values = src.fn(prompts, completions, **fields, **src.params)
-        values = [float(v) for v in values]
-        if len(values) != len(completions):
-            raise ValueError(f"reward {src.name!r} returned {len(values)} values for {len(completions)} completions")
-        per_source[src.name] = values
-        total = [t + src.weight * v for t, v in zip(total, values)]
-    return total, per_source
+        settings = src.guard
+        needed = src.meta.get("needs_fields", ())
+        missing = [k for k in needed if k not in fields]
+        kwargs = {**fields, **src.params}
+        isolation = "thread" if src.meta.get("in_process") and settings.isolation == "process" else settings.isolation
+        if missing:
+            from anabranch.rewards.guard import RewardError
+
+            if settings.strict:
+                raise RewardError(f"reward {src.name!r} needs fields {missing} that this caller does not provide")
+            res_values, res_metrics, failed = [0.0] * len(completions), {}, True
+        else:
+            res = guarded_call(src.name, src.fn, (prompts, completions), kwargs, len(completions),
+                               timeout=settings.timeout_s, isolation=isolation, strict=settings.strict)
+            res_values, res_metrics, failed = res.values, res.metrics, res.failed
+        per_source[src.name] = res_values
+        metrics[f"reward/{src.name}/failures"] = metrics.get(f"reward/{src.name}/failures", 0.0) + float(failed)
+        for key, value in res_metrics.items():
+            metrics[f"reward/{src.name}/{key}"] = value
+        total = [t + src.weight * v for t, v in zip(total, res_values)]
+    return Scored(total, per_source, metrics)
+
+
+def score(sources: list[RewardSource], prompts: list[str], completions: list[str],
+          rows: list[dict], group_index: list[int] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """``(total, per_source)``; see :func:`score_detailed` for failure counts and source metrics."""
+    out = score_detailed(sources, prompts, completions, rows, group_index=group_index)
+    return out.total, out.per_source

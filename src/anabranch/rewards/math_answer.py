@@ -48,3 +48,21 @@ def math_verify_reward(prompts, completions, answer=None, **_):
     if answer is None:
         raise ValueError("math_verify reward needs an 'answer' column")
     return [1.0 if is_equivalent(c, a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def answers_equivalent(a: str | None, b: str | None) -> bool:
+    """Whether two extracted answers are mathematically equal (both parsed as gold answers)."""
+    if a is None or b is None:
+        return False
+    if a.strip() == b.strip():
+        return True
+    from math_verify import verify
+
+    pa, pb = _parse_gold(str(a)), _parse_gold(str(b))
+    if not pa or not pb:
+        return False
+    kwargs = {} if threading.current_thread() is threading.main_thread() else {"timeout_seconds": None}
+    try:
+        return bool(verify(pa, pb, **kwargs))
+    except Exception:  # math-verify raises on some exotic expressions: treat as different
+        return False

@@ -13,7 +13,8 @@ from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
-from anabranch.rewards import score
+from anabranch.rewards import score_detailed
+from anabranch.rewards.token_stats import trainer_fields
 from anabranch.trainer.checkpoint import export_hf, save_checkpoint
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.progress import Progress
@@ -64,8 +65,10 @@ def train(cfg: Config) -> TrainResult:
         t_gen = time.perf_counter() - t0
         rows = [c.train_rows[idx[g]] for g in rollout.group_index.tolist()]
         seq_prompts = [rollout.prompts[g] for g in rollout.group_index.tolist()]
-        total, per_source = score(c.rewards, seq_prompts, rollout.completions, rows,
-                                  group_index=rollout.group_index.tolist())
+        scored = score_detailed(c.rewards, seq_prompts, rollout.completions, rows,
+                                group_index=rollout.group_index.tolist(),
+                                extra_fields=trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size))
+        total, per_source = scored.total, scored.per_source
         rewards = torch.tensor(total, dtype=torch.float32)
         advantages = c.algo.advantage(rewards, rollout.group_index, rollout.response_mask.float(), c.algo.cfg)
         metrics = policy_update(
@@ -77,6 +80,7 @@ def train(cfg: Config) -> TrainResult:
         scheduler.step()
         c.backend.sync_weights(c.model)
         metrics.update(rollout_metrics(rewards, per_source, rollout, acc_src))
+        metrics.update(scored.metrics)  # reward/<name>/failures and each source's own metrics
         metrics.update({"lr": scheduler.get_last_lr()[0], "time/step_s": time.perf_counter() - t0,
                         "time/generate_s": t_gen})
         run.log_metrics(step, metrics)

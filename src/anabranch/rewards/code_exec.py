@@ -1,0 +1,62 @@
+"""Code execution reward: the completion's Python code runs against the row's tests in the sandbox.
+
+Row fields: ``tests`` (a list of Python snippets; a snippet passes when it runs without an
+exception), optional ``test_setup`` (run once after the program, e.g. helper definitions) and
+``prompt_code`` (code the completion continues, e.g. a HumanEval function signature and docstring),
+``entry_point`` (the function under test).
+
+The program is ``prompt_code`` followed by the completion's code: the last fenced code block when
+there is one, else the raw completion. When that code defines ``entry_point`` itself it is
+appended after ``prompt_code`` (the later definition wins); otherwise it is taken as the body that
+continues ``prompt_code``.
+
+Reward: ``mode="fraction"`` gives passed / total tests, ``mode="all"`` gives 1.0 only when all
+pass. Programs run in parallel, at most ``max_workers`` at a time (default: CPU count). Note that
+the whole batch must finish within ``reward.timeout_s``: raise it for large batches.
+"""
+
+from __future__ import annotations
+
+import re
+
+from anabranch.rewards.guard import RewardOutput
+from anabranch.rewards.registry import REWARDS
+from anabranch.rewards.sandbox import SandboxLimits, run_many
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    blocks = _FENCE.findall(completion or "")
+    return blocks[-1] if blocks else (completion or "")
+
+
+def build_program(prompt_code: str, completion: str, entry_point: str | None) -> str:
+    code = extract_code(completion)
+    prompt_code = prompt_code or ""
+    if entry_point and re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE):
+        return prompt_code + "\n\n" + code
+    return prompt_code + code
+
+
+@REWARDS.register("code_tests", correctness=True)
+def code_tests_reward(prompts, completions, tests=None, test_setup=None, prompt_code=None, entry_point=None,
+                      mode: str = "fraction", wall_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 1024,
+                      max_workers: int = 0, require_namespaces: bool = False, **_):
+    if tests is None:
+        raise ValueError("the code_tests reward needs a 'tests' column (a list of Python test snippets per row)")
+    if mode not in ("fraction", "all"):
+        raise ValueError(f"code_tests mode must be 'fraction' or 'all' (got {mode!r})")
+    n = len(completions)
+    setup = test_setup or [""] * n
+    pcode = prompt_code or [""] * n
+    entry = entry_point or [None] * n
+    jobs = [(build_program(pcode[i], completions[i], entry[i]), list(tests[i]), setup[i] or "") for i in range(n)]
+    limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
+    results = run_many(jobs, limits, max_workers=max_workers, require_namespaces=require_namespaces)
+    values = [r.fraction if mode == "fraction" else float(r.all_passed) for r in results]
+    return RewardOutput(values, {
+        "all_pass_frac": sum(r.all_passed for r in results) / max(n, 1),
+        "timeouts": float(sum(r.timed_out for r in results)),
+        "errors": float(sum(bool(r.error) for r in results)),
+    })
