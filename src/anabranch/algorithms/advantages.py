@@ -44,7 +44,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: b
     return out * torch.rsqrt(var + eps) * mask
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", group=True)
 def rloo_advantage(rewards, group_index, response_mask, cfg, **_):
     """RLOO: Â_i = r_i − (1/(G−1)) Σ_{j≠i} r_j = G/(G−1) · (r_i − mean_j r_j).
 
@@ -74,7 +74,7 @@ def reinforce_pp_advantage(rewards, group_index, response_mask, cfg, token_rewar
     return whiten(discounted_returns(token_rewards, mask, cfg.gamma), mask)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
+@ADVANTAGES.register("reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline_advantage(rewards, group_index, response_mask, cfg, **_):
     """REINFORCE++ with a group baseline: Â_i = whiten_batch(r_i − mean_group(r)), broadcast to tokens.
 

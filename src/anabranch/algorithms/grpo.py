@@ -38,7 +38,7 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     return mean[inverse], std[inverse]
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", group=True)
 def grpo_advantage(rewards, group_index, response_mask, cfg, **_):
     rewards = rewards.to(torch.float32)
     mean, std = group_stats(rewards, group_index)
