@@ -88,6 +88,49 @@ class AlgorithmConfig:
     # Passes over each rollout batch; with 1 the old log-probs equal the current ones.
     ppo_epochs: int = 1
     entropy_coef: float = 0.0
+    # Dual-clip PPO (Ye et al. 2020): for Â<0 the per-token loss is capped at −c·Â; 0 turns it off.
+    clip_ratio_c: float = 0.0
+    # Where the KL to the reference goes: "loss" (kl_coef·KL added to the loss, GRPO) or "reward"
+    # (−kl_coef·KL_t added to each token's reward before the advantage, PPO/REINFORCE++).
+    kl_in: str = "loss"
+    # Adaptive KL coefficient (Ziegler et al. 2019): the KL per sequence it steers to; None keeps
+    # kl_coef fixed. kl_horizon is the controller's time constant in sequences.
+    kl_target: Optional[float] = None
+    kl_horizon: int = 10000
+    # Discount and GAE λ for the token-level estimators (reinforce_pp, gae).
+    gamma: float = 1.0
+    lam: float = 0.95
+    # Critic of the gae estimator: loss weight, value clipping range (0 off), learning-rate multiple.
+    vf_coef: float = 0.5
+    vf_clip: float = 0.2
+    vf_lr_multiplier: float = 10.0
+    # psr_nsr advantage: +psr_weight for rewards > positive_threshold, −nsr_weight otherwise
+    # (PSR only: nsr_weight=0; NSR only: psr_weight=0; W-REINFORCE: psr_weight=0.1).
+    psr_weight: float = 1.0
+    nsr_weight: float = 1.0
+    positive_threshold: float = 0.5
+    # Entropy-shaped advantage (Cheng et al. 2025): A + min(α·H, |A|/κ); α=0 turns it off.
+    entropy_adv_alpha: float = 0.0
+    entropy_adv_kappa: float = 2.0
+    # Forking-token mask (Wang et al. 2025): gradient only on the top-ρ entropy tokens; 1 is off.
+    entropy_top_rho: float = 1.0
+    # Clip-Cov: detach a random cov_clip_ratio of the tokens whose Cov(log π, A) is in [low, high].
+    cov_clip_ratio: float = 2e-4
+    cov_clip_low: float = 1.0
+    cov_clip_high: float = 5.0
+    # KL-Cov: |log π − log π_old| penalty of weight cov_kl_coef on the top cov_kl_ratio tokens by Cov.
+    cov_kl_ratio: float = 2e-3
+    cov_kl_coef: float = 1.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
+    # rollout.prompts_per_step groups are kept, at most max_sample_batches generation rounds.
+    dynamic_sampling: bool = False
+    max_sample_batches: int = 10
+    # DAPO soft overlong punishment: the last overlong_buffer tokens before rollout.max_new_tokens
+    # cost up to overlong_penalty reward, linearly; 0 turns it off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # DAPO overlong filtering: truncated responses are left out of the loss.
+    overlong_filter: bool = False
 
 
 @dataclass

@@ -15,7 +15,8 @@ ratio ρ = exp(log π_θ − log π_old):
     L = −min(ρ·Â, clip(ρ, 1 − ε_low, 1 + ε_high)·Â)
 
 aggregated by ``loss_agg_mode`` (token-mean for GRPO as in DAPO/veRL). ε_high > ε_low gives
-DAPO's clip-higher.
+DAPO's clip-higher (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+Scale"); ``clip_ratio_c > 0`` adds dual-clip (see :func:`ppo_surrogate`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     return mean[inverse], std[inverse]
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", group=True)
 def grpo_advantage(rewards, group_index, response_mask, cfg, **_):
     rewards = rewards.to(torch.float32)
     mean, std = group_stats(rewards, group_index)
@@ -47,21 +48,41 @@ def grpo_advantage(rewards, group_index, response_mask, cfg, **_):
     return adv[:, None] * response_mask.to(adv.dtype)
 
 
-@OBJECTIVES.register("ppo_clip", needs=())
-def ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
-    cfg = ctx.cfg
+def ppo_surrogate(log_prob, old_log_prob, advantages, cfg):
+    """Per-token clipped surrogate ``max(−Â·ρ, −Â·clip(ρ))`` (dual-clipped when ``clip_ratio_c > 0``).
+
+    Returns ``(loss_mat, clipped, log_ratio)`` where ``clipped`` marks tokens whose gradient the
+    clip removed. Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    Reinforcement Learning"): for Â < 0, ``L = min(L_clip, −c·Â)`` so that a huge ratio on a bad
+    token cannot produce an unbounded loss.
+    """
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if cfg.clip_ratio_c > 0:
+        cap = -advantages * cfg.clip_ratio_c
+        dual = (advantages < 0) & (loss_mat > cap)
+        loss_mat = torch.where(dual, cap, loss_mat)
+        was_clipped = was_clipped | dual
+    return loss_mat, was_clipped, log_ratio
+
+
+@OBJECTIVES.register("ppo_clip", needs=())
+def ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
+    loss_mat, was_clipped, log_ratio = ppo_surrogate(log_prob, old_log_prob, advantages, ctx.cfg)
     loss = ctx.aggregate(loss_mat, response_mask)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+            "clip_frac": masked_mean(was_clipped.float(), response_mask).item(),
             "approx_kl": masked_mean(-log_ratio, response_mask).item(),
         }
     return loss, metrics
 
 
 RECIPES.register("grpo")({"advantage": "grpo", "loss": "ppo_clip", "loss_agg_mode": "token-mean"})
+RECIPES.register("dapo")({"advantage": "grpo", "loss": "ppo_clip", "loss_agg_mode": "token-mean",
+                          "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "dynamic_sampling": True,
+                          "overlong_buffer": 8})

@@ -22,6 +22,9 @@ class Algorithm:
     # objective reads from ctx.modules (a log Z head, a value head). Registered with the
     # objective as ``modules={...}``; trained with the policy, saved in checkpoints, never exported.
     module_factories: dict = field(default_factory=dict)
+    # fn(ctx, response_mask) -> (loss, metrics) added to the objective's loss (the critic loss of
+    # gae); registered with the estimator or objective as ``aux_loss=...``.
+    aux_losses: tuple = ()
 
 
 def apply_recipe(cfg: AlgorithmConfig) -> AlgorithmConfig:
@@ -54,12 +57,37 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
         raise ConfigError(f"algorithm.loss_agg_mode {cfg.loss_agg_mode!r} is not one of {MODES}")
     if cfg.kl_estimator not in ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
-    needs = set(OBJECTIVES.meta(cfg.loss).get("needs", ()))
-    needs |= set(ADVANTAGES.meta(cfg.advantage).get("needs", ()))
+    check_ranges(cfg)
+    adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
+    needs = set(obj_meta.get("needs", ())) | set(adv_meta.get("needs", ()))
     if cfg.kl_coef > 0:
         needs.add("ref_log_prob")
+        if cfg.kl_in == "reward" or cfg.kl_target is not None:
+            needs.add("old_log_prob")  # the KL of the sampled tokens, before the update
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
-    factories = {**ADVANTAGES.meta(cfg.advantage).get("modules", {}), **OBJECTIVES.meta(cfg.loss).get("modules", {})}
+    factories = {**adv_meta.get("modules", {}), **obj_meta.get("modules", {})}
+    aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
-                     objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories)
+                     objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
+                     aux_losses=aux)
+
+
+def check_ranges(cfg: AlgorithmConfig) -> None:
+    checks = [
+        (cfg.kl_in in ("loss", "reward"), "kl_in", "must be 'loss' or 'reward'"),
+        (cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "must be positive (or null for a fixed kl_coef)"),
+        (cfg.kl_horizon > 0, "kl_horizon", "must be positive"),
+        (cfg.clip_ratio_c == 0 or cfg.clip_ratio_c > 1, "clip_ratio_c", "must be 0 (off) or > 1"),
+        (0 < cfg.entropy_top_rho <= 1, "entropy_top_rho", "must be in (0, 1]"),
+        (cfg.entropy_adv_alpha >= 0, "entropy_adv_alpha", "must be >= 0"),
+        (cfg.entropy_adv_kappa > 0, "entropy_adv_kappa", "must be positive"),
+        (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "gamma/lam", "must be in [0, 1]"),
+        (cfg.vf_clip >= 0, "vf_clip", "must be >= 0 (0 turns value clipping off)"),
+        (cfg.max_sample_batches >= 1, "max_sample_batches", "must be >= 1"),
+        (cfg.overlong_buffer >= 0, "overlong_buffer", "must be >= 0"),
+    ]
+    for ok, key, why in checks:
+        if not ok:
+            value = getattr(cfg, key, None) if "/" not in key else (cfg.gamma, cfg.lam)
+            raise ConfigError(f"algorithm.{key} {why} (got {value!r})")

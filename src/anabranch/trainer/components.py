@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from anabranch.algorithms import Algorithm, resolve_algorithm
+from anabranch.algorithms import ADVANTAGES, Algorithm, resolve_algorithm
 from anabranch.config import Config, ConfigError
 from anabranch.data.prompts import build_prompt
 from anabranch.data.tasks import load_task
@@ -55,7 +55,7 @@ def pick_device(name: str) -> torch.device:
 
 def build(cfg: Config) -> Components:
     algo = resolve_algorithm(cfg.algorithm)
-    if algo.advantage.__name__ == "grpo_advantage" and cfg.rollout.n < 2:
+    if ADVANTAGES.meta(algo.cfg.advantage).get("group") and cfg.rollout.n < 2:
         raise ConfigError("rollout.n must be >= 2 for group-relative advantages (got 1)")
     try:
         ROLLOUT_BACKENDS.get(cfg.rollout.backend)

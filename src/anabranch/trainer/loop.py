@@ -10,11 +10,13 @@ import torch
 
 from anabranch.config import Config
 from anabranch.eval.accuracy import correctness_source, greedy_accuracy
+from anabranch.algorithms.kl_control import build_kl_controller
+from anabranch.algorithms.overlong import filter_overlong
+from anabranch.trainer.advantage_pass import compute_advantages
+from anabranch.trainer.collect import collect_batch
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
-from anabranch.rewards import score_detailed
-from anabranch.rewards.token_stats import trainer_fields
 from anabranch.trainer.checkpoint import export_hf, save_checkpoint
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.progress import Progress
@@ -43,6 +45,7 @@ def train(cfg: Config) -> TrainResult:
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress)
+    kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β (state for checkpoints: kl_ctl.state_dict())
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -60,27 +63,23 @@ def train(cfg: Config) -> TrainResult:
         result.accuracy_before = evaluate("before", 0)
     for step in range(1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
-        idx = sampler.next(cfg.rollout.prompts_per_step)
-        rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n)
-        t_gen = time.perf_counter() - t0
-        rows = [c.train_rows[idx[g]] for g in rollout.group_index.tolist()]
-        seq_prompts = [rollout.prompts[g] for g in rollout.group_index.tolist()]
-        scored = score_detailed(c.rewards, seq_prompts, rollout.completions, rows,
-                                group_index=rollout.group_index.tolist(),
-                                extra_fields=trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size))
-        total, per_source = scored.total, scored.per_source
-        rewards = torch.tensor(total, dtype=torch.float32)
-        advantages = c.algo.advantage(rewards, rollout.group_index, rollout.response_mask.float(), c.algo.cfg)
+        batch = collect_batch(c, sampler, cfg)  # generate + score (+ DAPO overlong shaping, dynamic sampling)
+        rollout, rows, total, per_source, rewards = batch.rollout, batch.rows, batch.total, batch.per_source, batch.rewards
+        t_gen = batch.t_generate
+        train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
+        adv = compute_advantages(c.algo, c.model, train_rollout, rewards, micro_batch_size=cfg.trainer.micro_batch_size,
+                                 temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
+                                 kl_controller=kl_ctl)
         metrics = policy_update(
-            c.model, c.optimizer, rollout, advantages, rewards, c.algo,
+            c.model, c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
             temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
-            ref_model=c.ref_model, modules=c.modules,
+            ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
         )
         scheduler.step()
         c.backend.sync_weights(c.model)
+        metrics.update({**adv.metrics, **batch.metrics})
         metrics.update(rollout_metrics(rewards, per_source, rollout, acc_src))
-        metrics.update(scored.metrics)  # reward/<name>/failures and each source's own metrics
         metrics.update({"lr": scheduler.get_last_lr()[0], "time/step_s": time.perf_counter() - t0,
                         "time/generate_s": t_gen})
         run.log_metrics(step, metrics)

@@ -15,7 +15,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from anabranch.algorithms.aggregation import BatchScale, aggregate, masked_mean
+from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnostics
 from anabranch.algorithms.kl import kl_penalty
+from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.logprobs import response_forward
 from anabranch.rollout.base import Rollout
@@ -34,6 +36,7 @@ class LossContext:
     group_index: Optional[torch.Tensor] = None
     prompt_mask: Optional[torch.Tensor] = None
     modules: dict = field(default_factory=dict)  # extra trainable heads (log Z, value)
+    extras: dict = field(default_factory=dict)   # per-sample rollout tensors (values, returns) of this micro-batch
 
 
 def micro_batches(batch_size: int, micro: int) -> list[slice]:
@@ -51,25 +54,40 @@ def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float) -
 def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, rewards: torch.Tensor,
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
-                  params: list | None = None) -> dict[str, float]:
+                  params: list | None = None, precomputed: dict | None = None,
+                  kl_coef: float | None = None) -> dict[str, float]:
+    """``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
+    values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL)."""
     cfg = algo.cfg
+    pre = precomputed or {}
+    kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     device = next(model.parameters()).device
     rollout_ids = rollout.input_ids.to(device)
     rollout_mask = rollout.attention_mask.to(device)
     resp_mask = rollout.response_mask.to(device).float()
     advantages = advantages.to(device)
     width = rollout.response_ids.shape[1]
-    scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=float(resp_mask.shape[0]),
+    # Rows with an empty mask (overlong filtering) are not sequences of the loss.
+    n_seqs = max(float((resp_mask.sum(-1) > 0).sum()), 1.0)
+    scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=n_seqs,
                        max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
     ref_lp = None
-    if "ref_log_prob" in algo.needs:
+    ref_lp = pre.get("ref_log_prob")
+    if ref_lp is not None:
+        ref_lp = ref_lp.to(device)
+    elif "ref_log_prob" in algo.needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
         ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature)
     # With one pass over the batch, π_old = π_θ exactly, so that forward pass is skipped.
-    old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature) if "old_log_prob" in algo.needs else None
+    old_lp = pre.get("old_log_prob")
+    if old_lp is not None:
+        old_lp = old_lp.to(device)
+    elif "old_log_prob" in algo.needs:
+        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature)
+    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns")}
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
     if params is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -85,19 +103,27 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
                               entropy=fo.entropy, hidden=fo.hidden, rewards=rewards[sl].to(device),
                               group_index=rollout.group_index[sl].to(device),
-                              prompt_mask=rollout.prompt_mask[sl].to(device), modules=modules or {})
+                              prompt_mask=rollout.prompt_mask[sl].to(device), modules=modules or {},
+                              extras={k: v[sl] for k, v in extras.items()})
             old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
-            loss, metrics = algo.objective(fo.log_probs, old, advantages[sl], m, ctx)
-            if ref_lp is not None and cfg.kl_coef > 0:
+            adv, metrics = shape_advantages(advantages[sl], fo.entropy, m, cfg)
+            loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
+            metrics.update(obj_metrics)
+            for aux_loss in algo.aux_losses:
+                aux, aux_metrics = aux_loss(ctx, m)
+                loss = loss + aux
+                metrics.update(aux_metrics)
+            if ref_lp is not None and kl_coef > 0 and cfg.kl_in == "loss":
                 kl = kl_penalty(fo.log_probs, ref_lp[sl], cfg.kl_estimator)
-                loss = loss + cfg.kl_coef * agg(kl, m)
+                loss = loss + kl_coef * agg(kl, m)
                 metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
             if cfg.entropy_coef != 0:
                 loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
             loss.backward()
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
-            metrics["entropy"] = masked_mean(fo.entropy.detach(), m).item()
+            for key, value in update_diagnostics(fo.log_probs.detach(), old, adv, fo.entropy.detach(), m).items():
+                metrics.setdefault(key, value)  # an objective's own clip_frac/approx_kl win
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
@@ -111,4 +137,5 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     n_epochs = cfg.ppo_epochs
     out = {k: (v / n_epochs if k != "grad_norm" else v) for k, v in totals.items()}
     out["skipped_updates"] = float(skipped)
+    finish_diagnostics(out)
     return out

@@ -1,0 +1,86 @@
+"""Clip-Cov and KL-Cov: entropy control through the tokens with the largest covariance.
+
+Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models":
+the change of policy entropy is driven by −Cov(log π(y_t), Â_t), so a few tokens with high
+covariance collapse the entropy. Per token, over the response tokens of the (micro-)batch,
+
+    Cov_t = (log π(y_t) − mean log π) · (Â_t − mean Â)
+
+- Clip-Cov: pick at random ⌈r·N⌉ (at least 1) of the tokens with ω_low ≤ Cov_t ≤ ω_high and
+  detach their gradient; the rest get the PPO clipped loss. (r, ω_low, ω_high) =
+  (``cov_clip_ratio``, ``cov_clip_low``, ``cov_clip_high``), paper defaults 2e-4, 1, 5.
+- KL-Cov: on the top ⌊k·N⌋ (at least 1) tokens by Cov_t add β·|log π_θ − log π_old|; the loss is
+  the unclipped −ρ·Â elsewhere. (k, β) = (``cov_kl_ratio``, ``cov_kl_coef``), paper 2e-3, 1.
+  With ``ppo_epochs=1`` and one mini-batch, π_old = π_θ and the penalty has no gradient.
+
+The selection is made per micro-batch (exact when ``trainer.micro_batch_size`` ≥ the step batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anabranch.algorithms.aggregation import masked_mean
+from anabranch.algorithms.grpo import ppo_surrogate
+from anabranch.algorithms.registries import OBJECTIVES, RECIPES
+
+
+def token_covariance(log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cov_t above ([B, T], detached, 0 outside the mask)."""
+    mask = mask.to(log_prob.dtype)
+    lp = log_prob.detach()
+    lp_c = lp - masked_mean(lp, mask)
+    a_c = advantages - masked_mean(advantages, mask)
+    return lp_c * a_c * mask
+
+
+def _n_select(ratio: float, n_valid: int) -> int:
+    return min(n_valid, max(1, int(ratio * n_valid))) if n_valid > 0 else 0
+
+
+@OBJECTIVES.register("clip_cov", needs=())
+def clip_cov_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
+    cfg = ctx.cfg
+    loss_mat, was_clipped, log_ratio = ppo_surrogate(log_prob, old_log_prob, advantages, cfg)
+    cov = token_covariance(log_prob, advantages, response_mask)
+    valid = response_mask.bool()
+    band = valid & (cov >= cfg.cov_clip_low) & (cov <= cfg.cov_clip_high)
+    candidates = band.flatten().nonzero().squeeze(-1)
+    k = _n_select(cfg.cov_clip_ratio, int(valid.sum())) if len(candidates) else 0
+    keep = torch.ones_like(loss_mat)
+    if k:
+        pick = candidates[torch.randperm(len(candidates))[:k]]
+        keep.view(-1)[pick] = 0.0
+    loss = ctx.aggregate(loss_mat * keep, response_mask)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean(was_clipped.float(), response_mask).item(),
+                   "approx_kl": masked_mean(-log_ratio, response_mask).item(),
+                   "cov/selected_frac": masked_mean(1.0 - keep, response_mask).item()}
+    return loss, metrics
+
+
+@OBJECTIVES.register("kl_cov", needs=())
+def kl_cov_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
+    cfg = ctx.cfg
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    loss_mat = -advantages * ratio
+    cov = token_covariance(log_prob, advantages, response_mask)
+    valid = response_mask.bool()
+    k = _n_select(cfg.cov_kl_ratio, int(valid.sum()))
+    selected = torch.zeros_like(loss_mat)
+    if k:
+        top = torch.where(valid, cov, torch.full_like(cov, -float("inf"))).flatten().topk(k).indices
+        selected.view(-1)[top] = 1.0
+    loss_mat = loss_mat + selected * cfg.cov_kl_coef * log_ratio.abs()
+    loss = ctx.aggregate(loss_mat, response_mask)
+    with torch.no_grad():
+        metrics = {"clip_frac": 0.0,  # KL-Cov does not clip
+                   "approx_kl": masked_mean(-log_ratio, response_mask).item(),
+                   "cov/selected_frac": masked_mean(selected, response_mask).item()}
+    return loss, metrics
+
+
+RECIPES.register("clip_cov")({"advantage": "grpo", "loss": "clip_cov", "loss_agg_mode": "token-mean",
+                              "clip_ratio_high": 0.28})
+RECIPES.register("kl_cov")({"advantage": "grpo", "loss": "kl_cov", "loss_agg_mode": "token-mean", "ppo_epochs": 2})

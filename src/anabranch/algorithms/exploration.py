@@ -1,0 +1,45 @@
+"""Exploration controls that reshape the per-token advantages at update time, from the policy's
+own token entropies H_t (detached). They apply to every objective and are off by default.
+
+- Entropy-shaped advantage (Cheng et al. 2025, "Reasoning with Exploration: An Entropy
+  Perspective"):  Â'_t = Â_t + min(α · sg(H_t), |Â_t| / κ)  with α = ``entropy_adv_alpha``
+  (0 = off; paper 0.4) and κ = ``entropy_adv_kappa`` (paper 2). The clip keeps the bonus from
+  flipping the sign of Â, and it vanishes where Â = 0.
+- Forking-token mask (Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive
+  Effective Reinforcement Learning for LLM Reasoning"): Â'_t = Â_t · [H_t ≥ q_{1−ρ}(H)] keeps the
+  policy gradient only on the top-ρ fraction of response tokens by entropy (ρ =
+  ``entropy_top_rho``, paper 0.2; 1 = off). The quantile is taken over the micro-batch's
+  response tokens (exact when ``trainer.micro_batch_size`` ≥ the step batch). The other tokens
+  still count in the loss normalizer, so the step size per kept token is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def entropy_shaped_advantage(advantages: torch.Tensor, entropy: torch.Tensor, alpha: float, kappa: float) -> torch.Tensor:
+    return advantages + torch.minimum(alpha * entropy.detach(), advantages.abs() / kappa)
+
+
+def forking_token_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """1 on the top-ρ entropy response tokens, 0 elsewhere."""
+    valid = mask.bool()
+    values = entropy.detach()[valid]
+    if values.numel() == 0:
+        return torch.zeros_like(entropy)
+    threshold = torch.quantile(values.float(), 1.0 - rho)
+    return ((entropy.detach() >= threshold) & valid).to(entropy.dtype)
+
+
+def shape_advantages(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg):
+    """Apply the enabled controls; returns (advantages, metrics)."""
+    metrics = {}
+    if cfg.entropy_adv_alpha > 0:
+        advantages = entropy_shaped_advantage(advantages, entropy, cfg.entropy_adv_alpha, cfg.entropy_adv_kappa)
+        advantages = advantages * mask
+    if cfg.entropy_top_rho < 1.0:
+        keep = forking_token_mask(entropy, mask, cfg.entropy_top_rho)
+        advantages = advantages * keep
+        metrics["forking/kept_frac"] = (keep.sum() / mask.sum().clamp(min=1.0)).item()
+    return advantages, metrics

@@ -1,0 +1,82 @@
+"""From scored rollouts to advantages: the no-grad forward passes the algorithm declared, the KL
+in the reward, and the estimator call.
+
+Runs before the update, so that estimators that need per-token quantities of the rollout policy
+(values for GAE, the KL of the sampled tokens for ``kl_in=reward``) get them, and the update
+reuses the same old and reference log-probs instead of computing them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from anabranch.algorithms.advantages import token_level_rewards
+from anabranch.algorithms.aggregation import masked_mean
+from anabranch.algorithms.kl import kl_penalty
+from anabranch.algorithms.ppo_value import response_values
+from anabranch.models.logprobs import response_forward
+from anabranch.rollout.base import Rollout
+
+
+@dataclass
+class AdvantageBatch:
+    advantages: torch.Tensor                             # [B, T]
+    precomputed: dict = field(default_factory=dict)      # old_log_prob, ref_log_prob, values, returns
+    metrics: dict = field(default_factory=dict)
+    kl_coef: float = 0.0                                 # β of this step (before the controller's update)
+
+
+@torch.no_grad()
+def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, modules: dict | None = None,
+                    values: bool = False):
+    """log π(response) and, when asked, the value head's V for every response token."""
+    ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1]
+    device = next(model.parameters()).device
+    lps, vals = [], []
+    for s in range(0, ids.shape[0], micro):
+        fo = response_forward(model, ids[s:s + micro].to(device), mask[s:s + micro].to(device), width,
+                              temperature, hidden=values)
+        lps.append(fo.log_probs.float().cpu())
+        if values:
+            vals.append(response_values(modules, fo.hidden, width).float().cpu())
+    return torch.cat(lps), (torch.cat(vals) if values else None)
+
+
+def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, micro_batch_size: int,
+                       temperature: float, ref_model=None, modules: dict | None = None,
+                       kl_controller=None) -> AdvantageBatch:
+    cfg, needs = algo.cfg, algo.needs
+    mask = rollout.response_mask.float()
+    pre: dict = {}
+    if "old_log_prob" in needs or "values" in needs:
+        old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs)
+        if "old_log_prob" in needs:
+            pre["old_log_prob"] = old
+        if values is not None:
+            pre["values"] = values
+    if "ref_log_prob" in needs:
+        if ref_model is None:
+            raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
+        pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature)
+
+    metrics: dict = {}
+    token_rewards = token_level_rewards(rewards, mask)
+    beta = kl_controller.value if kl_controller is not None else cfg.kl_coef
+    if "old_log_prob" in pre and "ref_log_prob" in pre:
+        kl = kl_penalty(pre["old_log_prob"], pre["ref_log_prob"], cfg.kl_estimator) * mask
+        seq_kl = kl.sum(-1).mean().item()
+        metrics.update({"kl/seq_kl": seq_kl, "kl/coef": beta})
+        if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+            token_rewards = token_rewards - beta * kl
+        if kl_controller is not None:
+            kl_controller.update(seq_kl, mask.shape[0])
+    out = algo.advantage(token_rewards.sum(-1), rollout.group_index, mask, cfg,
+                         token_rewards=token_rewards, values=pre.get("values"))
+    advantages, extras = out if isinstance(out, tuple) else (out, {})
+    pre.update(extras)
+    metrics["advantage/mean"] = masked_mean(advantages, mask).item()
+    var = masked_mean((advantages - metrics["advantage/mean"]) ** 2, mask).item()
+    metrics["advantage/std"] = var ** 0.5
+    return AdvantageBatch(advantages, pre, metrics, kl_coef=beta)

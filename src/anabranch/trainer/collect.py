@@ -1,0 +1,132 @@
+"""One step's scored batch: generate, score, DAPO's overlong shaping and dynamic sampling.
+
+Dynamic sampling (Yu et al. 2025, "DAPO"): groups whose rewards are all equal have zero
+group-relative advantage, so they are dropped and more prompts are sampled, round after round,
+until ``rollout.prompts_per_step`` groups are kept or ``algorithm.max_sample_batches`` rounds were
+generated; then the batch is cut to ``prompts_per_step`` groups (or keeps what it has, and if no
+group survived, the last round as is, so the step still runs and logs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from anabranch.algorithms.overlong import overlong_penalty
+from anabranch.rewards import score_detailed
+from anabranch.rewards.token_stats import trainer_fields
+from anabranch.rollout.base import Rollout
+
+
+@dataclass
+class ScoredBatch:
+    rollout: Rollout
+    rows: list            # [B] dataset row of each sequence
+    total: list           # [B] total reward
+    per_source: dict      # reward source -> [B]
+    t_generate: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor(self.total, dtype=torch.float32)
+
+
+def generate_scored(c, idx: list[int], cfg) -> ScoredBatch:
+    t0 = time.perf_counter()
+    rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n)
+    t_gen = time.perf_counter() - t0
+    groups = rollout.group_index.tolist()
+    rows = [c.train_rows[idx[g]] for g in groups]
+    scored = score_detailed(c.rewards, [rollout.prompts[g] for g in groups], rollout.completions, rows,
+                            group_index=groups,
+                            extra_fields=trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size))
+    total, per_source = scored.total, scored.per_source
+    a = cfg.algorithm
+    if a.overlong_buffer > 0:
+        pen = overlong_penalty(rollout.response_lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
+                               a.overlong_penalty)
+        total = [t + p for t, p in zip(total, pen.tolist())]
+        per_source = {**per_source, "overlong": pen.tolist()}
+    # scored.metrics: reward/<name>/failures and each source's own metrics
+    return ScoredBatch(rollout, rows, list(total), dict(per_source), t_gen, metrics=dict(scored.metrics))
+
+
+def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> list[int]:
+    """Groups (in order) whose rewards are not all equal."""
+    return [int(g) for g in group_index.unique()
+            if not bool((rewards[group_index == g] == rewards[group_index == g][0]).all())]
+
+
+def collect_batch(c, sampler, cfg) -> ScoredBatch:
+    want = cfg.rollout.prompts_per_step
+    if not cfg.algorithm.dynamic_sampling:
+        return generate_scored(c, sampler.next(want), cfg)
+    kept, t_gen, seen, last = [], 0.0, 0, None
+    for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
+        last = generate_scored(c, sampler.next(want), cfg)
+        t_gen += last.t_generate
+        groups = informative_groups(last.rewards, last.rollout.group_index)
+        seen += int(last.rollout.group_index.unique().numel())
+        kept.append(select_groups(last, groups))
+        if sum(len(b.rollout.prompts) for b in kept) >= want:
+            break
+    n_kept = sum(len(b.rollout.prompts) for b in kept)
+    batch = concat_batches([b for b in kept if b.rollout.prompts]) if n_kept else last
+    if n_kept > want:
+        batch = select_groups(batch, list(range(want)))
+    batch.t_generate = t_gen
+    # Reward-source metrics of the last round generated (failure counts are per call).
+    batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(n_kept, want)),
+                     "dynamic_sampling/kept_frac_of_generated": n_kept / max(seen, 1)}
+    return batch
+
+
+def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
+    """The sequences of ``groups`` (renumbered 0..len-1 in that order)."""
+    r = batch.rollout
+    new_id = {g: i for i, g in enumerate(groups)}
+    rows_idx = [i for i, g in enumerate(r.group_index.tolist()) if g in new_id]
+    sel = torch.tensor(rows_idx, dtype=torch.long)
+    rollout = Rollout(
+        prompt_ids=r.prompt_ids[sel], prompt_mask=r.prompt_mask[sel], response_ids=r.response_ids[sel],
+        response_mask=r.response_mask[sel],
+        group_index=torch.tensor([new_id[int(g)] for g in r.group_index[sel]], dtype=r.group_index.dtype),
+        prompts=[r.prompts[g] for g in groups], completions=[r.completions[i] for i in rows_idx],
+        truncated=r.truncated[sel],
+        sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel])
+    return ScoredBatch(rollout, [batch.rows[i] for i in rows_idx], [batch.total[i] for i in rows_idx],
+                       {k: [v[i] for i in rows_idx] for k, v in batch.per_source.items()}, batch.t_generate)
+
+
+def _pad(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        pad = torch.zeros(t.shape[0], width - t.shape[1], dtype=t.dtype)
+        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(out)
+
+
+def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
+    """One batch of several rounds: prompts re-left-padded, responses re-right-padded."""
+    rs = [b.rollout for b in batches]
+    offsets, n = [], 0
+    for r in rs:
+        offsets.append(n)
+        n += len(r.prompts)
+    slp = None
+    if all(r.sample_log_probs is not None for r in rs):
+        slp = _pad([r.sample_log_probs for r in rs], left=False)
+    rollout = Rollout(
+        prompt_ids=_pad([r.prompt_ids for r in rs], True), prompt_mask=_pad([r.prompt_mask for r in rs], True),
+        response_ids=_pad([r.response_ids for r in rs], False),
+        response_mask=_pad([r.response_mask for r in rs], False),
+        group_index=torch.cat([r.group_index + o for r, o in zip(rs, offsets)]),
+        prompts=[p for r in rs for p in r.prompts], completions=[c for r in rs for c in r.completions],
+        truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp)
+    keys = batches[0].per_source.keys()
+    return ScoredBatch(rollout, [x for b in batches for x in b.rows], [x for b in batches for x in b.total],
+                       {k: [x for b in batches for x in b.per_source[k]] for k in keys})
