@@ -64,25 +64,27 @@ class Sequential:
 REWARDS = {0: [1, 1], 1: [0, 0], 2: [1, 0], 3: [0, 0], 4: [0, 1], 5: [1, 0]}
 
 
-def fake_score(sources, prompts, completions, rows, group_index=None):
+def fake_score(sources, prompts, completions, rows, group_index=None, extra_fields=None):
+    from anabranch.rewards.compose import Scored
+
     total = []
     seen = {}
     for row in rows:
         k = seen.get(row["id"], 0)
         seen[row["id"]] = k + 1
         total.append(float(REWARDS[row["id"]][k]))
-    return total, {"fake": list(total)}
+    return Scored(total, {"fake": list(total)}, {})
 
 
 def components():
     rows = [{"id": i} for i in range(6)]
     return SimpleNamespace(backend=FakeBackend(), train_prompts=[f"q{i}" for i in range(6)], train_rows=rows,
-                           rewards=[])
+                           rewards=[], model=None)
 
 
 @pytest.mark.parametrize("cap,expected_ids,rounds", [(10, [2, 4], 3), (2, [2], 2)])
 def test_dynamic_sampling_fills_the_batch_up_to_a_cap(monkeypatch, cap, expected_ids, rounds):
-    monkeypatch.setattr(collect, "score", fake_score)
+    monkeypatch.setattr(collect, "score_detailed", fake_score)
     cfg = load_config(None, ["rollout.n=2", "rollout.prompts_per_step=2", "algorithm.dynamic_sampling=true",
                              f"algorithm.max_sample_batches={cap}"])
     batch = collect.collect_batch(components(), Sequential(), cfg)
@@ -99,7 +101,7 @@ def test_dynamic_sampling_fills_the_batch_up_to_a_cap(monkeypatch, cap, expected
 
 
 def test_dynamic_sampling_off_takes_one_round(monkeypatch):
-    monkeypatch.setattr(collect, "score", fake_score)
+    monkeypatch.setattr(collect, "score_detailed", fake_score)
     cfg = load_config(None, ["rollout.n=2", "rollout.prompts_per_step=2", "algorithm.overlong_buffer=2",
                              "rollout.max_new_tokens=3"])
     batch = collect.collect_batch(components(), Sequential(), cfg)
