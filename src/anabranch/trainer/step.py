@@ -51,7 +51,9 @@ def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float) -
 def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, rewards: torch.Tensor,
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
-                  params: list | None = None) -> dict[str, float]:
+                  params: list | None = None, dist=None) -> dict[str, float]:
+    """``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
+    global batch's normalizers and the launcher's backward and gradient clipping."""
     cfg = algo.cfg
     device = next(model.parameters()).device
     rollout_ids = rollout.input_ids.to(device)
@@ -59,8 +61,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     resp_mask = rollout.response_mask.to(device).float()
     advantages = advantages.to(device)
     width = rollout.response_ids.shape[1]
-    scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=float(resp_mask.shape[0]),
-                       max_response_len=max_response_len)
+    scale = dist.batch_scale(resp_mask, max_response_len) if dist is not None else BatchScale(
+        total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=float(resp_mask.shape[0]),
+        max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
     ref_lp = None
@@ -94,14 +97,15 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
             if cfg.entropy_coef != 0:
                 loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
-            loss.backward()
+            loss.backward() if dist is None else dist.backward(loss)
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
             metrics["entropy"] = masked_mean(fo.entropy.detach(), m).item()
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        clip = torch.nn.utils.clip_grad_norm_ if dist is None else dist.clip_grad_norm
+        grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
         if torch.isfinite(grad_norm):
             optimizer.step()
         else:
