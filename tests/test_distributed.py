@@ -160,3 +160,31 @@ def test_relaunch_command_uses_accelerate(tiny_model_dir):
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--cpu" in cmd
     assert cmd[-3:] == ["anabranch", "train", "distributed.num_processes=2"]
+
+
+def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):
+    """``distributed.mixed_precision=bf16``: linear layers run in bf16, the master weights stay fp32."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState
+
+    from anabranch.models.loading import load_model
+    from anabranch.trainer.components import build_optimizer
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=cpu",
+                             "distributed.mixed_precision=bf16"])
+    try:
+        dist = Distributed.start(cfg)
+        assert dist.active is not None and dist.world_size == 1
+        model = load_model(cfg.model, torch.device("cpu"))
+        c = SimpleNamespace(cfg=cfg, model=model, optimizer=build_optimizer(cfg, model, {}))
+        dist.prepare(c)
+        seen = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        rollout, _ = fixed_rollout([0])
+        dist.policy(model)(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask)
+        assert seen == [torch.bfloat16]
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert dist.is_main and Distributed().active is None
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
