@@ -158,8 +158,22 @@ def test_relaunch_command_uses_accelerate(tiny_model_dir):
     cfg = load_config(None, ["distributed.num_processes=2", "trainer.device=cpu"])
     cmd = relaunch_command(cfg, ["train", "distributed.num_processes=2"])
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
-    assert cmd[cmd.index("--num_processes") + 1] == "2" and "--cpu" in cmd
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
     assert cmd[-3:] == ["anabranch", "train", "distributed.num_processes=2"]
+
+
+@pytest.mark.slow
+def test_cli_relaunches_itself_with_two_processes(tiny_model_dir, write_jsonl, tmp_path):
+    from test_train_e2e import digit_task, run_cli, tiny_overrides
+
+    args = tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path, **{
+        "trainer.steps": 2, "trainer.device": "cpu", "distributed.num_processes": 2,
+        "distributed.main_process_port": free_port(), "trainer.eval_before": False})
+    out = run_cli("train", *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("run directory:") == 1  # printed by rank 0 only
+    rows = (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"reward/mean"' in r for r in rows) == 2
 
 
 def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):

@@ -50,7 +50,9 @@ def relaunch_command(cfg: Config, argv: list[str]) -> list[str]:
     if d.accelerate_config:
         cmd += ["--config_file", d.accelerate_config]
     else:
-        cmd += ["--multi_gpu"] if torch.cuda.is_available() and cfg.trainer.device != "cpu" else ["--cpu"]
+        # torchrun under the hood, on GPUs or CPUs alike (`--cpu` would start one process only);
+        # each rank's Accelerator then picks nccl or gloo from trainer.device.
+        cmd += ["--multi_gpu"]
     cmd += ["--num_processes", str(d.num_processes), "--num_machines", "1",
             "--main_process_port", str(d.main_process_port), "-m", "anabranch", *argv]
     return cmd
