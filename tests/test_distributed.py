@@ -202,3 +202,19 @@ def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):
         assert dist.is_main and Distributed().active is None
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accelerate_configs_parse_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = Path(__file__).parents[1] / "configs" / "accelerate"
+    kinds = {}
+    for path in sorted(folder.glob("*.yaml")):
+        c = load_config_from_file(str(path))
+        kinds[path.stem] = (str(c.distributed_type).split(".")[-1], c.num_machines,
+                            (c.fsdp_config or {}).get("fsdp_version"), (c.deepspeed_config or {}).get("zero_stage"))
+    assert kinds["single_gpu"][0] == "NO"
+    assert kinds["fsdp2"][:3] == ("FSDP", 1, 2)
+    assert kinds["deepspeed_zero2"][3] == 2 and kinds["deepspeed_zero3"][3] == 3
+    assert kinds["multi_node_fsdp2"][1] == 2
+    assert kinds["cpu_ddp"][0] == "MULTI_CPU"

@@ -112,13 +112,43 @@ class Distributed:
         """Wrap the policy and optimizer (``accelerator.prepare``); the rollout backend keeps the plain model."""
         if self.accelerator is None:
             return
+        self._check_engine(c.cfg)
         self.train_model, c.optimizer = self.accelerator.prepare(c.model, c.optimizer)
+        if self.sharded and hasattr(c, "backend"):
+            # Sharded weights are gathered inside every forward, a collective: ranks that finish
+            # sampling early must keep stepping until all have (transformers' synced_gpus).
+            c.backend.synced_gpus = True
         model_params = {id(p) for p in c.model.parameters()}
         self.extra_params = [p for g in c.optimizer.param_groups for p in g["params"] if id(p) not in model_params]
         if self.world_size > 1:
             # Same weights everywhere, different samples: offset each rank's sampling RNG.
             torch.manual_seed(c.cfg.trainer.seed + 1_000_003 * self.rank)
             self._sync_extra_params()
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or DeepSpeed ZeRO-3: no rank holds the whole model."""
+        if self.accelerator is None or self.world_size == 1:
+            return False
+        from accelerate.utils import DistributedType
+
+        kind = self.accelerator.distributed_type
+        if kind == DistributedType.FSDP:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin
+        return kind == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
+
+    def _check_engine(self, cfg: Config) -> None:
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return
+        # accelerate's DeepSpeed backward steps the engine at every call: one micro-batch per step.
+        per_rank = cfg.rollout.prompts_per_step // self.world_size * cfg.rollout.n
+        if cfg.trainer.micro_batch_size < per_rank:
+            raise ConfigError(
+                f"with DeepSpeed, trainer.micro_batch_size ({cfg.trainer.micro_batch_size}) must be >= the "
+                f"sequences per rank per step (rollout.prompts_per_step / processes * rollout.n = {per_rank})")
 
     def policy(self, model):
         """The model ``policy_update`` should differentiate through."""
