@@ -90,12 +90,15 @@ class Distributed:
         d = cfg.distributed
         if d.mixed_precision not in ("no", "bf16", "fp16"):
             raise ConfigError(f"distributed.mixed_precision {d.mixed_precision!r} is not one of no, bf16, fp16")
-        if not launched() and d.mixed_precision == "no":
+        # `accelerate launch` of a one-process config sets no WORLD_SIZE, only its precision.
+        launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if not launched() and d.mixed_precision == "no" and launcher_mp == "no":
             return cls()
         from accelerate import Accelerator
 
         cpu = cfg.trainer.device == "cpu" or not torch.cuda.is_available()
-        acc = Accelerator(cpu=cpu, mixed_precision=d.mixed_precision)
+        # None lets the launcher's config decide; a value set in our config wins.
+        acc = Accelerator(cpu=cpu, mixed_precision=None if d.mixed_precision == "no" else d.mixed_precision)
         out = cls(rank=acc.process_index, world_size=acc.num_processes, accelerator=acc)
         if out.world_size > 1:
             if cfg.rollout.prompts_per_step % out.world_size:
