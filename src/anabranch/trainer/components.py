@@ -17,6 +17,7 @@ from anabranch.config import Config, ConfigError
 from anabranch.data.prompts import build_prompt
 from anabranch.data.tasks import load_task
 from anabranch.models.loading import load_model, load_tokenizer
+from anabranch.models.lora import apply_lora, reference_policy
 from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rollout import ROLLOUT_BACKENDS
 
@@ -73,8 +74,9 @@ def build(cfg: Config) -> Components:
     eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
     _check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg.task.max_prompt_tokens)
 
-    model = load_model(cfg.model, device, trainable=True)
-    ref_model = load_model(cfg.model, device, trainable=False) if "ref_log_prob" in algo.needs else None
+    model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
+    ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
+                 if "ref_log_prob" in algo.needs else None)
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)

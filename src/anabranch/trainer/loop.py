@@ -8,17 +8,18 @@ from pathlib import Path
 
 import torch
 
-from anabranch.config import Config
-from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.overlong import filter_overlong
-from anabranch.trainer.advantage_pass import compute_advantages
-from anabranch.trainer.collect import collect_batch
+from anabranch.config import Config, ConfigError
+from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
+from anabranch.trainer.advantage_pass import compute_advantages
 from anabranch.trainer.checkpoint import export_hf, save_checkpoint
+from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
+from anabranch.trainer.distributed import Distributed, NullRunDir
 from anabranch.trainer.progress import Progress
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.sampler import PromptSampler
@@ -37,15 +38,20 @@ class TrainResult:
 def train(cfg: Config) -> TrainResult:
     """Run the whole job described by ``cfg`` and return where it wrote its outputs."""
     quiet_libraries()
+    dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg)
-    run = RunDir(cfg)
+    dist.prepare(c)
+    run = RunDir(cfg) if dist.is_main else NullRunDir(cfg)
     sampler = PromptSampler(len(c.train_rows), cfg.trainer.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     result = TrainResult(run.path, None, None, None)
-    progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress)
+    progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β (state for checkpoints: kl_ctl.state_dict())
+    if dist.world_size > 1 and cfg.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling is not supported with several processes yet; "
+                          "set algorithm.dynamic_sampling=false or distributed.num_processes=1")
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -56,14 +62,16 @@ def train(cfg: Config) -> TrainResult:
         run.write_json(f"eval_{tag}.json", {key: res[key], "n": res["n"], "examples": [
             {"question": str(r["question"]), "answer": r["answer"], "completion": comp, "score": s}
             for r, comp, s in zip(c.eval_rows, res["completions"], res["scores"])]})
-        progress.write(f"held-out {key} ({tag}, greedy, {res['n']} problems): {res[key]:.3f}")
+        if dist.is_main:
+            progress.write(f"held-out {key} ({tag}, greedy, {res['n']} problems): {res[key]:.3f}")
         return res[key]
 
     if cfg.trainer.eval_before:
         result.accuracy_before = evaluate("before", 0)
     for step in range(1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
-        batch = collect_batch(c, sampler, cfg)  # generate + score (+ DAPO overlong shaping, dynamic sampling)
+        # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
+        batch = collect_batch(c, dist.sharded(sampler), cfg)
         rollout, rows, total, per_source, rewards = batch.rollout, batch.rows, batch.total, batch.per_source, batch.rewards
         t_gen = batch.t_generate
         train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
@@ -71,17 +79,19 @@ def train(cfg: Config) -> TrainResult:
                                  temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
                                  kl_controller=kl_ctl)
         metrics = policy_update(
-            c.model, c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
+            dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
             temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
             ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
+            dist=dist.active,
         )
         scheduler.step()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics})
-        metrics.update(rollout_metrics(rewards, per_source, rollout, acc_src))
-        metrics.update({"lr": scheduler.get_last_lr()[0], "time/step_s": time.perf_counter() - t0,
-                        "time/generate_s": t_gen})
+        metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen})
+        metrics = dist.mean_metrics(metrics)
+        metrics.update(rollout_metrics(*dist.gather_rollout(rewards, per_source, rollout), acc_src))
+        metrics["lr"] = scheduler.get_last_lr()[0]
         run.log_metrics(step, metrics)
         run.log_samples(step, [{"question": str(rows[i]["question"]), "answer": rows[i]["answer"],
                                 "completion": rollout.completions[i], "reward": total[i]}
@@ -90,19 +100,20 @@ def train(cfg: Config) -> TrainResult:
         progress.update(step, metrics)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.steps:
             evaluate(f"step{step}", step)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and dist.is_main:
             save_checkpoint(run.path, step, c.model, c.tokenizer, c.optimizer,
                             {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()})
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)
-    if cfg.trainer.save_final:
+    if cfg.trainer.save_final and dist.is_main:
         result.final_model_dir = export_hf(c.model, c.tokenizer, run.path / "final")
     run.write_json("summary.json", {"accuracy_before": result.accuracy_before,
                                     "accuracy_after": result.accuracy_after, "steps": cfg.trainer.steps,
                                     "model_collapse": collapse_report(run.path / "metrics.jsonl",
                                                                       cfg.trainer.collapse_margin)})
     run.close()
+    dist.barrier()  # rank 0 has finished writing before any rank returns
     return result
 
 

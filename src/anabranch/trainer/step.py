@@ -55,9 +55,11 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
                   params: list | None = None, precomputed: dict | None = None,
-                  kl_coef: float | None = None) -> dict[str, float]:
+                  kl_coef: float | None = None, dist=None) -> dict[str, float]:
     """``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
-    values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL)."""
+    values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL);
+    ``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
+    global batch's normalizers and the launcher's backward and gradient clipping."""
     cfg = algo.cfg
     pre = precomputed or {}
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
@@ -67,10 +69,13 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     resp_mask = rollout.response_mask.to(device).float()
     advantages = advantages.to(device)
     width = rollout.response_ids.shape[1]
-    # Rows with an empty mask (overlong filtering) are not sequences of the loss.
-    n_seqs = max(float((resp_mask.sum(-1) > 0).sum()), 1.0)
-    scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=n_seqs,
-                       max_response_len=max_response_len)
+    if dist is not None:
+        scale = dist.batch_scale(resp_mask, max_response_len)
+    else:
+        # Rows with an empty mask (overlong filtering) are not sequences of the loss.
+        n_seqs = max(float((resp_mask.sum(-1) > 0).sum()), 1.0)
+        scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=n_seqs,
+                           max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
     ref_lp = None
@@ -119,7 +124,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
             if cfg.entropy_coef != 0:
                 loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
-            loss.backward()
+            loss.backward() if dist is None else dist.backward(loss)
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
             for key, value in update_diagnostics(fo.log_probs.detach(), old, adv, fo.entropy.detach(), m).items():
@@ -127,7 +132,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        clip = torch.nn.utils.clip_grad_norm_ if dist is None else dist.clip_grad_norm
+        grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
         if torch.isfinite(grad_norm):
             optimizer.step()
         else:

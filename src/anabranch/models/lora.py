@@ -1,0 +1,93 @@
+"""LoRA adapters through peft (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models").
+
+Each adapted linear layer computes ``W x + (α/r)·B A x`` with ``A ∈ R^{r×d_in}``, ``B ∈ R^{d_out×r}``
+and ``B = 0`` at the start, so the adapted model starts equal to the base model. Only ``A, B``
+train. The KL reference policy is the same model with the adapters disabled (peft's
+``disable_adapter()``), so it costs no second copy of the weights. Exports merge ``W + (α/r)·BA``
+into plain Hugging Face weights that transformers and vLLM load without peft.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from anabranch.config import LoraConfig, ModelConfig
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
+
+
+def apply_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = False):
+    """Wrap ``model`` with trainable LoRA adapters (base weights frozen); ``r=0`` returns it unchanged."""
+    if cfg.r <= 0:
+        return model
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    targets = list(cfg.target_modules) or "all-linear"
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=targets, task_type="CAUSAL_LM")
+    model = get_peft_model(model, peft_cfg)
+    if gradient_checkpointing:
+        # Frozen embeddings give checkpointed blocks inputs without grad; this restores the path.
+        model.enable_input_require_grads()
+    return model
+
+
+class AdapterDisabledReference:
+    """The reference policy of a LoRA run: the base model, reached by switching the adapters off."""
+
+    def __init__(self, peft_model):
+        self.model = peft_model
+
+    @torch.no_grad()
+    def __call__(self, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(**kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+def reference_policy(model, cfg: ModelConfig, load):
+    """The KL reference: adapters off for a LoRA policy, else a frozen copy made by ``load()``."""
+    return AdapterDisabledReference(model) if is_peft(model) else load()
+
+
+def plain_model(model):
+    """A model ``save_pretrained`` writes as plain HF weights: LoRA merged into a copy, else itself."""
+    if not is_peft(model):
+        return model
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Plain HF parameter names -> merged weights, without copying the model.
+
+    What a rollout engine (vLLM) loads after each update to sample from the current policy; for a
+    model without adapters it is the model's own state dict.
+    """
+    if not is_peft(model):
+        return dict(model.state_dict())
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if active:
+                deltas[name] = sum(module.get_delta_weight(a) for a in active)
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." in key:
+            owner, _, leaf = key.partition(".base_layer.")
+            key = f"{owner}.{leaf}"
+            if leaf == "weight" and owner in deltas:
+                value = value + deltas[owner].to(value.dtype)
+        out[key] = value.detach()
+    return out

@@ -1,0 +1,280 @@
+"""Data-parallel training through ``accelerate`` (DDP, FSDP2, DeepSpeed ZeRO) — nothing of our own.
+
+Each of W processes (ranks) takes a contiguous share of the step's prompts, *whole* prompts, so
+every group of ``rollout.n`` samples lives on one rank and group statistics (GRPO's mean and std,
+FlowRL's per-prompt terms) are computed over whole groups, never across a process split. Each
+rank generates, scores and computes advantages for its share, then runs the policy update on it.
+
+Equivalence with one process. The single-process loss with full-batch normalizer N (tokens or
+sequences of the whole step batch) is ``L = Σ_b ℓ_b / N``. DDP *averages* gradients over ranks,
+so rank r uses the normalizer ``N / W``: ``(1/W) Σ_r ∇(Σ_{b∈r} ℓ_b)·W/N = ∇L`` exactly (up to
+float summation order). ``N`` is the all-reduced sum of the ranks' local counts. With that
+normalizer, the per-rank metric weights ``share_r = W·n_r/N`` make the plain all-reduce mean of
+every policy metric equal its token-weighted mean over the global batch.
+
+Metrics are reduced on every rank and logged by rank 0 only; rank 0 writes the run directory and
+checkpoints. A single process without mixed precision never creates an ``Accelerator`` at all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from anabranch.algorithms.aggregation import BatchScale
+from anabranch.config import Config, ConfigError
+
+LAUNCH_ENV = ("WORLD_SIZE", "LOCAL_RANK")  # set by accelerate launch / torchrun
+
+
+def launched() -> bool:
+    """True inside a process started by ``accelerate launch`` or ``torchrun``."""
+    return all(k in os.environ for k in LAUNCH_ENV)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def relaunch_command(cfg: Config, argv: list[str]) -> list[str]:
+    """``accelerate launch`` of this same command line with ``distributed.num_processes`` ranks."""
+    d = cfg.distributed
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if d.accelerate_config:
+        cmd += ["--config_file", d.accelerate_config]
+    else:
+        # torchrun under the hood, on GPUs or CPUs alike (`--cpu` would start one process only);
+        # each rank's Accelerator then picks nccl or gloo from trainer.device.
+        cmd += ["--multi_gpu"]
+    cmd += ["--num_processes", str(d.num_processes), "--num_machines", "1",
+            "--main_process_port", str(d.main_process_port), "-m", "anabranch", *argv]
+    return cmd
+
+
+def relaunch(cfg: Config, argv: list[str]) -> int:
+    """``anabranch train distributed.num_processes=N`` -> run it under accelerate with N processes."""
+    return subprocess.call(relaunch_command(cfg, argv))
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job and the collectives the trainer needs."""
+
+    rank: int = 0
+    world_size: int = 1
+    accelerator: Any = None
+    train_model: Any = None          # the wrapped (DDP/FSDP/DeepSpeed) policy; None: use the plain one
+    extra_params: list = field(default_factory=list)  # trainable params outside the wrapped model
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> "Distributed | None":
+        """What ``policy_update(dist=...)`` receives: ``None`` keeps the single-process code path."""
+        return self if self.accelerator is not None else None
+
+    # ------------------------------------------------------------------ setup
+
+    @classmethod
+    def start(cls, cfg: Config) -> "Distributed":
+        """Create the ``Accelerator`` when launched with several processes or asked for mixed precision."""
+        d = cfg.distributed
+        if d.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"distributed.mixed_precision {d.mixed_precision!r} is not one of no, bf16, fp16")
+        # `accelerate launch` of a one-process config sets no WORLD_SIZE, only its precision.
+        launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if not launched() and d.mixed_precision == "no" and launcher_mp == "no":
+            return cls()
+        from accelerate import Accelerator
+
+        cpu = cfg.trainer.device == "cpu" or not torch.cuda.is_available()
+        # None lets the launcher's config decide; a value set in our config wins.
+        acc = Accelerator(cpu=cpu, mixed_precision=None if d.mixed_precision == "no" else d.mixed_precision)
+        out = cls(rank=acc.process_index, world_size=acc.num_processes, accelerator=acc)
+        if out.world_size > 1:
+            if cfg.rollout.prompts_per_step % out.world_size:
+                raise ConfigError(
+                    f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                    f"number of processes ({out.world_size}) so that every rank gets whole prompt groups")
+            if not cfg.trainer.run_name:  # every rank must name the same run directory
+                from anabranch.trainer.run_dir import default_run_name
+
+                cfg.trainer.run_name = out.broadcast_object(default_run_name(cfg))
+        return out
+
+    def prepare(self, c) -> None:
+        """Wrap the policy and optimizer (``accelerator.prepare``); the rollout backend keeps the plain model."""
+        if self.accelerator is None:
+            return
+        self._check_engine(c.cfg)
+        self.train_model, c.optimizer = self.accelerator.prepare(c.model, c.optimizer)
+        if self.sharded and hasattr(c, "backend"):
+            # Sharded weights are gathered inside every forward, a collective: ranks that finish
+            # sampling early must keep stepping until all have (transformers' synced_gpus).
+            c.backend.synced_gpus = True
+        model_params = {id(p) for p in c.model.parameters()}
+        self.extra_params = [p for g in c.optimizer.param_groups for p in g["params"] if id(p) not in model_params]
+        if self.world_size > 1:
+            # Same weights everywhere, different samples: offset each rank's sampling RNG.
+            torch.manual_seed(c.cfg.trainer.seed + 1_000_003 * self.rank)
+            self._sync_extra_params()
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or DeepSpeed ZeRO-3: no rank holds the whole model."""
+        if self.accelerator is None or self.world_size == 1:
+            return False
+        from accelerate.utils import DistributedType
+
+        kind = self.accelerator.distributed_type
+        if kind == DistributedType.FSDP:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin
+        return kind == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
+
+    def _check_engine(self, cfg: Config) -> None:
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return
+        # accelerate's DeepSpeed backward steps the engine at every call: one micro-batch per step.
+        per_rank = cfg.rollout.prompts_per_step // self.world_size * cfg.rollout.n
+        if cfg.trainer.micro_batch_size < per_rank:
+            raise ConfigError(
+                f"with DeepSpeed, trainer.micro_batch_size ({cfg.trainer.micro_batch_size}) must be >= the "
+                f"sequences per rank per step (rollout.prompts_per_step / processes * rollout.n = {per_rank})")
+
+    def policy(self, model):
+        """The model ``policy_update`` should differentiate through."""
+        return self.train_model if self.train_model is not None else model
+
+    # ------------------------------------------------------------------ splitting
+
+    def sharded(self, sampler):
+        """A view of ``sampler`` whose ``next(k)`` gives this rank's share of the k prompts."""
+        return sampler if self.world_size == 1 else _ShardedSampler(sampler, self)
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share of the step's prompts (whole prompts, never a split group)."""
+        if self.world_size == 1:
+            return items
+        if len(items) % self.world_size:
+            raise ValueError(f"{len(items)} prompts cannot be split evenly over {self.world_size} processes")
+        k = len(items) // self.world_size
+        return items[self.rank * k:(self.rank + 1) * k]
+
+    # ------------------------------------------------------------------ the update
+
+    def batch_scale(self, resp_mask: torch.Tensor, max_response_len: int) -> BatchScale:
+        """Global-batch normalizers divided by W (DDP averages gradients; see the module docstring)."""
+        # Rows with an empty mask (overlong filtering) are not sequences of the loss.
+        local = torch.tensor([resp_mask.sum().item(), float((resp_mask.sum(-1) > 0).sum())], dtype=torch.float64)
+        total = self.all_reduce_sum(local)
+        w = float(self.world_size)
+        return BatchScale(total_tokens=max(total[0].item(), 1.0) / w, total_seqs=total[1].item() / w,
+                          max_response_len=max_response_len)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
+        """Average the gradients DDP does not own (extra heads), then clip the global norm."""
+        if self.world_size > 1:
+            for p in self.extra_params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+                    p.grad /= self.world_size
+        return self.accelerator.clip_grad_norm_(params, max_norm)
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        t = t.to(self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t.cpu()
+
+    def mean_metrics(self, metrics: dict) -> dict:
+        """All-reduce mean of scalar metrics (same keys on every rank)."""
+        if self.world_size == 1:
+            return metrics
+        keys = sorted(metrics)
+        vals = self.all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+        return {k: (v / self.world_size).item() for k, v in zip(keys, vals)}
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_rollout(self, rewards: torch.Tensor, per_source: dict, rollout):
+        """Rewards, per-source rewards and the rollout fields metrics read, over the global batch.
+
+        Group indices are offset by rank so groups from different ranks stay distinct.
+        """
+        if self.world_size == 1:
+            return rewards, per_source, rollout
+        parts = self.gather_objects({
+            "rewards": rewards.cpu(), "per_source": per_source, "lengths": rollout.response_lengths.cpu(),
+            "truncated": rollout.truncated.cpu(), "groups": rollout.group_index.cpu(),
+            "num_prompts": len(rollout.prompts)})
+        offsets = [sum(p["num_prompts"] for p in parts[:r]) for r in range(len(parts))]
+        view = SimpleNamespace(
+            response_lengths=torch.cat([p["lengths"] for p in parts]),
+            truncated=torch.cat([p["truncated"] for p in parts]),
+            group_index=torch.cat([p["groups"] + off for p, off in zip(parts, offsets)]))
+        g_sources = {k: [v for p in parts for v in p["per_source"][k]] for k in per_source}
+        return torch.cat([p["rewards"] for p in parts]), g_sources, view
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.accelerator.wait_for_everyone()
+
+    def _sync_extra_params(self) -> None:
+        for p in self.extra_params:
+            torch.distributed.broadcast(p.data, src=0)
+
+
+class NullRunDir:
+    """What ranks other than 0 write to: nothing (rank 0 owns the run directory)."""
+
+    def __init__(self, cfg: Config):
+        self.path = Path(cfg.trainer.output_dir) / (cfg.trainer.run_name or "")
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_samples(self, step: int, samples: list) -> None:
+        pass
+
+    def write_json(self, name: str, data) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _ShardedSampler:
+    def __init__(self, sampler, dist: "Distributed"):
+        self.sampler, self.dist = sampler, dist
+
+    def next(self, k: int) -> list[int]:
+        return self.dist.shard(self.sampler.next(k))

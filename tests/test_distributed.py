@@ -1,0 +1,220 @@
+"""Data parallel on CPU with gloo: 2 processes on a global batch give the 1-process update, and
+rollouts, rewards and metrics are split by whole prompt groups and gathered back."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from anabranch import load_config
+from anabranch.algorithms import resolve_algorithm
+from anabranch.rollout.base import Rollout
+from anabranch.trainer.distributed import Distributed, relaunch_command
+
+PROMPTS, N, P, R = 4, 3, 5, 6  # prompts per step, samples per prompt, prompt width, response width
+
+
+def fixed_rollout(prompt_ids: list[int]) -> tuple[Rollout, torch.Tensor]:
+    """A deterministic rollout (no sampling) of the given global prompts, and its rewards."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (PROMPTS * N, P + R), generator=g)
+    lengths = torch.randint(1, R + 1, (PROMPTS * N,), generator=g)  # ragged: normalizers matter
+    rewards = torch.randint(0, 3, (PROMPTS * N,), generator=g).float()
+    rows = [p * N + k for p in prompt_ids for k in range(N)]
+    resp_mask = (torch.arange(R)[None, :] < lengths[rows, None]).long()
+    prompt_mask = torch.ones(len(rows), P, dtype=torch.long)
+    prompt_mask[:, 0] = torch.tensor([(r % 2) for r in rows]) ^ 1  # some left padding
+    ro = Rollout(prompt_ids=ids[rows, :P], prompt_mask=prompt_mask, response_ids=ids[rows, P:] * resp_mask,
+                 response_mask=resp_mask, group_index=torch.arange(len(prompt_ids)).repeat_interleave(N),
+                 prompts=[f"q{p}" for p in prompt_ids], completions=[f"c{r}" for r in rows],
+                 truncated=lengths[rows] == R)
+    return ro, rewards[rows]
+
+
+def update_config(model_dir: str):
+    return load_config(None, [f"model.path={model_dir}", f"rollout.prompts_per_step={PROMPTS}",
+                              f"rollout.n={N}", "trainer.device=cpu", "trainer.lr=1e-3",
+                              "trainer.grad_clip=0", "algorithm.loss_agg_mode=token-mean"])
+
+
+def one_update(model_dir: str, dist: Distributed):
+    """Load the tiny model, shard the fixed global batch, run one policy update."""
+    from types import SimpleNamespace
+
+    from anabranch.models.loading import load_model
+    from anabranch.trainer.components import build_optimizer
+    from anabranch.trainer.step import policy_update
+
+    cfg = update_config(model_dir)
+    torch.manual_seed(0)
+    model = load_model(cfg.model, torch.device("cpu"))
+    c = SimpleNamespace(cfg=cfg, model=model, optimizer=build_optimizer(cfg, model, {}))
+    dist.prepare(c)
+    algo = resolve_algorithm(cfg.algorithm)
+    rollout, rewards = fixed_rollout(dist.shard(list(range(PROMPTS))))
+    adv = algo.advantage(rewards, rollout.group_index, rollout.response_mask.float(), algo.cfg)
+    metrics = policy_update(dist.policy(model), c.optimizer, rollout, adv, rewards, algo,
+                            micro_batch_size=4, grad_clip=0.0, temperature=1.0, max_response_len=R,
+                            dist=dist.active)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dist.mean_metrics(metrics), grads, weights, (rollout, rewards)
+
+
+def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    cfg = update_config(model_dir)
+    dist = Distributed.start(cfg)
+    metrics, grads, weights, (rollout, rewards) = one_update(model_dir, dist)
+    g_rewards, g_sources, g_view = dist.gather_rollout(rewards, {"src": rewards.tolist()}, rollout)
+    torch.save({"metrics": metrics, "grads": grads, "weights": weights, "local_groups": rollout.prompts,
+                "g_rewards": g_rewards, "g_sources": g_sources, "g_groups": g_view.group_index,
+                "g_lengths": g_view.response_lengths}, Path(out) / f"update{rank}.pt")
+
+
+def _train_worker(rank: int, world: int, port: int, model_dir: str, data: str, out: str) -> None:
+    """The whole trainer under 2 processes: rank 0 alone writes the run directory."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import anabranch.trainer.loop as loop
+
+    built = []
+    build = loop.build
+    loop.build = lambda c: built.append(build(c)) or built[-1]  # keep this rank's model to compare
+    overrides = [f"model.path={model_dir}", "task.name=file", f"task.path={data}", "task.eval_size=4",
+                 "rollout.n=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
+                 "trainer.steps=2", "trainer.lr=1e-2", f"trainer.output_dir={out}", "trainer.run_name=dp",
+                 "trainer.progress=false", "trainer.tensorboard=false", "trainer.device=cpu"]
+    result = loop.train(load_config(None, overrides))
+    final = {n: p.detach().clone() for n, p in built[0].model.named_parameters()}
+    torch.save({"final": final, "run_dir": str(result.run_dir)}, Path(out) / f"train{rank}.pt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_update_worker, args=(2, free_port(), tiny_model_dir, str(out)), nprocs=2, join=True)
+    return out
+
+
+def test_two_processes_give_the_one_process_update(tiny_model_dir, two_process_run):
+    single_metrics, single_grads, single_weights, _ = one_update(tiny_model_dir, Distributed())
+    ranks = [torch.load(two_process_run / f"update{r}.pt") for r in range(2)]
+    start = update_config(tiny_model_dir)
+    from anabranch.models.loading import load_model
+
+    base = dict(load_model(start.model, torch.device("cpu")).named_parameters())
+    for rank in ranks:
+        for name, g in single_grads.items():
+            torch.testing.assert_close(rank["grads"][name], g, rtol=1e-4, atol=1e-7)
+        for name, w in single_weights.items():
+            torch.testing.assert_close(rank["weights"][name], w, rtol=1e-5, atol=1e-6)
+        for key in ("loss", "grad_norm", "clip_frac", "entropy", "approx_kl"):
+            assert rank["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+    # The update did move the weights (so the comparison above is not trivially of the start).
+    assert any(not torch.equal(single_weights[n], base[n]) for n in single_weights)
+
+
+def test_rollouts_split_by_whole_groups_and_gather_back(two_process_run):
+    ranks = [torch.load(two_process_run / f"update{r}.pt") for r in range(2)]
+    assert ranks[0]["local_groups"] == ["q0", "q1"] and ranks[1]["local_groups"] == ["q2", "q3"]
+    full, full_rewards = fixed_rollout(list(range(PROMPTS)))
+    for rank in ranks:
+        assert torch.equal(rank["g_rewards"], full_rewards)
+        assert rank["g_sources"]["src"] == full_rewards.tolist()
+        assert rank["g_groups"].tolist() == full.group_index.tolist()  # offsets keep groups distinct
+        assert torch.equal(rank["g_lengths"], full.response_lengths)
+
+
+@pytest.mark.slow
+def test_two_process_training_logs_once_and_keeps_ranks_in_step(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}: say seven", "answer": "7"}) + "\n" for i in range(24)))
+    mp.spawn(_train_worker, args=(2, free_port(), tiny_model_dir, str(data), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"train{r}.pt") for r in range(2)]
+    run = Path(ranks[0]["run_dir"])
+    assert ranks[1]["run_dir"] == str(run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]  # logged by rank 0 only
+    assert (run / "final" / "config.json").is_file()
+    for name, w in ranks[0]["final"].items():
+        assert torch.equal(w, ranks[1]["final"][name]), name  # DDP kept the replicas identical
+
+
+def test_relaunch_command_uses_accelerate(tiny_model_dir):
+    cfg = load_config(None, ["distributed.num_processes=2", "trainer.device=cpu"])
+    cmd = relaunch_command(cfg, ["train", "distributed.num_processes=2"])
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
+    assert cmd[-3:] == ["anabranch", "train", "distributed.num_processes=2"]
+
+
+@pytest.mark.slow
+def test_cli_relaunches_itself_with_two_processes(tiny_model_dir, write_jsonl, tmp_path):
+    from test_train_e2e import digit_task, run_cli, tiny_overrides
+
+    args = tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path, **{
+        "trainer.steps": 2, "trainer.device": "cpu", "distributed.num_processes": 2,
+        "distributed.main_process_port": free_port(), "trainer.eval_before": False})
+    out = run_cli("train", *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("run directory:") == 1  # printed by rank 0 only
+    rows = (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"reward/mean"' in r for r in rows) == 2
+
+
+def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):
+    """``distributed.mixed_precision=bf16``: linear layers run in bf16, the master weights stay fp32."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState
+
+    from anabranch.models.loading import load_model
+    from anabranch.trainer.components import build_optimizer
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=cpu",
+                             "distributed.mixed_precision=bf16"])
+    try:
+        dist = Distributed.start(cfg)
+        assert dist.active is not None and dist.world_size == 1
+        model = load_model(cfg.model, torch.device("cpu"))
+        c = SimpleNamespace(cfg=cfg, model=model, optimizer=build_optimizer(cfg, model, {}))
+        dist.prepare(c)
+        seen = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        rollout, _ = fixed_rollout([0])
+        dist.policy(model)(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask)
+        assert seen == [torch.bfloat16]
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert dist.is_main and Distributed().active is None
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accelerate_configs_parse_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = Path(__file__).parents[1] / "configs" / "accelerate"
+    kinds = {}
+    for path in sorted(folder.glob("*.yaml")):
+        c = load_config_from_file(str(path))
+        kinds[path.stem] = (str(c.distributed_type).split(".")[-1], c.num_machines,
+                            (c.fsdp_config or {}).get("fsdp_version"), (c.deepspeed_config or {}).get("zero_stage"))
+    assert kinds["single_gpu"][0] == "NO"
+    assert kinds["fsdp2"][:3] == ("FSDP", 1, 2)
+    assert kinds["deepspeed_zero2"][3] == 2 and kinds["deepspeed_zero3"][3] == 3
+    assert kinds["multi_node_fsdp2"][1] == 2
+    assert kinds["cpu_ddp"][0] == "MULTI_CPU"
