@@ -32,7 +32,10 @@ def test_infinite_loop_is_killed_at_the_deadline():
 
 def test_partial_credit_survives_a_timeout():
     res = run_tests("def f():\n    return 1\n", ["assert f() == 1", "while True: pass"], limits=LIMITS)
-    assert res.passed == 1 and res.timed_out
+    # Which limit stops the loop first depends on the machine's load: the CPU-time limit (2 s) on
+    # an idle machine, the wall clock (3 s) on a busy one. Either way the first test's pass is kept.
+    assert res.passed == 1 and res.passed_ids == [0]
+    assert res.timed_out or "limit" in (res.error or "")
 
 
 def test_fork_bomb():
