@@ -54,12 +54,19 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
         raise ConfigError(f"algorithm.loss_agg_mode {cfg.loss_agg_mode!r} is not one of {MODES}")
     if cfg.kl_estimator not in ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
-    needs = set(OBJECTIVES.meta(cfg.loss).get("needs", ()))
-    needs |= set(ADVANTAGES.meta(cfg.advantage).get("needs", ()))
+    needs = set(_meta(OBJECTIVES, cfg.loss, "needs", cfg)) | set(_meta(ADVANTAGES, cfg.advantage, "needs", cfg))
     if cfg.kl_coef > 0:
         needs.add("ref_log_prob")
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
-    factories = {**ADVANTAGES.meta(cfg.advantage).get("modules", {}), **OBJECTIVES.meta(cfg.loss).get("modules", {})}
+    factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg)}
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories)
+
+
+def _meta(registry, name: str, key: str, cfg: AlgorithmConfig):
+    """A registration's ``needs`` / ``modules``: a fixed value, or a function of the algorithm config
+    for objectives whose inputs depend on their options (FlowRL needs a reference model only with
+    ``flowrl.reference=ref``); such a function may raise ConfigError for bad options."""
+    value = registry.meta(name).get(key, {} if key == "modules" else ())
+    return value(cfg) if callable(value) else value

@@ -11,7 +11,7 @@ import torch
 from anabranch.config import Config
 from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.rewards import score
-from anabranch.trainer.checkpoint import export_hf, save_checkpoint
+from anabranch.trainer.checkpoint import export_hf, module_states, save_checkpoint
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.progress import Progress
 from anabranch.trainer.run_dir import RunDir
@@ -86,7 +86,8 @@ def train(cfg: Config) -> TrainResult:
             evaluate(f"step{step}", step)
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
             save_checkpoint(run.path, step, c.model, c.tokenizer, c.optimizer,
-                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()})
+                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
+                             "modules": module_states(c.modules)})
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)
