@@ -43,7 +43,7 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
     """KL(p || q) = Σ p·log(p/q), with 0·log 0 = 0."""
     p, q = p.double(), q.double()
     keep = p > 0
-    return float((p[keep] * (p[keep].log() - q[keep].log())).sum())
+    return max(0.0, float((p[keep] * (p[keep].log() - q[keep].log())).sum()))  # rounding can give -1e-17
 
 
 def entropy(p: torch.Tensor) -> float:
