@@ -146,9 +146,9 @@ def flowrl_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     with torch.no_grad():
         metrics = {
             "flowrl/log_z_mean": log_z.mean().item(),
-            "flowrl/log_z_std": log_z.std(unbiased=False).item(),
+            "flowrl/log_z_std": log_z.std(correction=0).item(),
             "flowrl/residual_mean": residual.mean().item(),
-            "flowrl/residual_std": residual.std(unbiased=False).item(),
+            "flowrl/residual_std": residual.std(correction=0).item(),
             "flowrl/residual_sq_mean": residual.square().mean().item(),
             "flowrl/is_weight_mean": w.mean().item(),
             "flowrl/is_clip_frac": clipped.float().mean().item(),
