@@ -1,7 +1,6 @@
 """FlowRL through the real trainer on a tiny model: it runs with every log Z source, logs its
 metrics, keeps the log Z head in checkpoints (restorable) and out of the Hugging Face export."""
 
-import json
 import math
 from pathlib import Path
 
@@ -83,4 +82,3 @@ def test_flowrl_reward_rises_on_tiny_model(tiny_model_dir, write_jsonl, tmp_path
                                                                   "trainer.micro_batch_size": 32})
     rewards = [m["reward/mean"] for m in result.history]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.3, rewards
-    json.dumps(result.history)
