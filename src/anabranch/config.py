@@ -85,6 +85,32 @@ class RolloutConfig:
 
 
 @dataclass
+class FlowRLConfig:
+    """Options of the FlowRL objective (``algorithm.name=flowrl``; arXiv 2509.15207)."""
+
+    # Inverse temperature of the target π_ref·exp(β·r̂)/Z; the reference code hard-codes 15.
+    beta: float = 15.0
+    # Sequence importance weight w = exp(Σ_t log π_θ − log π_old), detached: "none" (w = 1),
+    # "unclipped" (raw w, what the Sept-2025 release used), "clamp_max" (min(w, is_max), the later
+    # code), "clip" (clip(w, 1 − is_eps, 1 + is_eps), the paper).
+    is_mode: str = "clamp_max"
+    is_max: float = 10.0
+    is_eps: float = 0.2
+    # The prior in the target: "ref" (frozen reference model, loaded for it), "old" (π_old, the
+    # policy that sampled the batch) or "none" (uniform prior: plain reward matching).
+    reference: str = "ref"
+    # Divide log π_θ and log π_ref by the response length |y| (FlowRL); false gives plain
+    # trajectory balance on whole-sequence log-probabilities.
+    length_norm: bool = True
+    # Where log Z(x) comes from: "head" (MLP on the mean-pooled prompt hidden states, as in the
+    # reference code), "vargrad" (per-prompt group mean of the residual, no network) or "scalar"
+    # (one learned number for the whole run).
+    log_z: str = "head"
+    # Learning rate of the log Z head / scalar = trainer.lr × this.
+    log_z_lr_multiplier: float = 1.0
+
+
+@dataclass
 class AlgorithmConfig:
     # A recipe name; it fills `advantage` and `loss` when those are left empty.
     name: str = "grpo"
@@ -145,6 +171,8 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     # DAPO overlong filtering: truncated responses are left out of the loss.
     overlong_filter: bool = False
+    # Used only by algorithm.name=flowrl (loss=flowrl).
+    flowrl: FlowRLConfig = field(default_factory=FlowRLConfig)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Importing this package registers every built-in algorithm.
 """
 
-from anabranch.algorithms import grpo  # noqa: F401  (registers entries)
+from anabranch.algorithms import flowrl, grpo  # noqa: F401  (registers entries)
 from anabranch.algorithms import advantages, cov_control, objectives, ppo_value  # noqa: F401
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.resolve import Algorithm, resolve_algorithm

@@ -58,15 +58,15 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     if cfg.kl_estimator not in ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
     check_ranges(cfg)
-    adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
-    needs = set(obj_meta.get("needs", ())) | set(adv_meta.get("needs", ()))
+    needs = set(_meta(OBJECTIVES, cfg.loss, "needs", cfg)) | set(_meta(ADVANTAGES, cfg.advantage, "needs", cfg))
     if cfg.kl_coef > 0:
         needs.add("ref_log_prob")
         if cfg.kl_in == "reward" or cfg.kl_target is not None:
             needs.add("old_log_prob")  # the KL of the sampled tokens, before the update
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
-    factories = {**adv_meta.get("modules", {}), **obj_meta.get("modules", {})}
+    adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
+    factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg)}
     aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
@@ -91,3 +91,11 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         if not ok:
             value = getattr(cfg, key, None) if "/" not in key else (cfg.gamma, cfg.lam)
             raise ConfigError(f"algorithm.{key} {why} (got {value!r})")
+
+
+def _meta(registry, name: str, key: str, cfg: AlgorithmConfig):
+    """A registration's ``needs`` / ``modules``: a fixed value, or a function of the algorithm config
+    for objectives whose inputs depend on their options (FlowRL needs a reference model only with
+    ``flowrl.reference=ref``); such a function may raise ConfigError for bad options."""
+    value = registry.meta(name).get(key, {} if key == "modules" else ())
+    return value(cfg) if callable(value) else value

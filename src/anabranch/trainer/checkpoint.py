@@ -36,6 +36,21 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def module_states(modules: dict) -> dict:
+    """State dicts of the extra trainable heads (log Z, value), saved under ``"modules"``."""
+    return {name: module.state_dict() for name, module in modules.items()}
+
+
+def load_module_states(modules: dict, trainer_state: dict) -> None:
+    """Restore the extra heads from a loaded ``trainer_state.pt``; the names must match exactly."""
+    saved = trainer_state.get("modules", {})
+    if set(saved) != set(modules):
+        raise ValueError(f"checkpoint holds extra heads {sorted(saved)} but this run builds {sorted(modules)}; "
+                         "resume with the same algorithm settings that wrote the checkpoint")
+    for name, module in modules.items():
+        module.load_state_dict(saved[name])
+
+
 def save_checkpoint(run_path: Path, step: int, model, tokenizer, optimizer, state: dict) -> Path:
     path = Path(run_path) / "checkpoints" / f"step-{step:06d}"
     tmp = path.with_name(path.name + ".tmp")

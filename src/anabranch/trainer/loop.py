@@ -16,7 +16,7 @@ from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
 from anabranch.trainer.advantage_pass import compute_advantages
-from anabranch.trainer.checkpoint import export_hf, save_checkpoint
+from anabranch.trainer.checkpoint import export_hf, module_states, save_checkpoint
 from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
@@ -102,7 +102,8 @@ def train(cfg: Config) -> TrainResult:
             evaluate(f"step{step}", step)
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and dist.is_main:
             save_checkpoint(run.path, step, c.model, c.tokenizer, c.optimizer,
-                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()})
+                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
+                             "modules": module_states(c.modules)})
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)

@@ -39,8 +39,19 @@ class LossContext:
     extras: dict = field(default_factory=dict)   # per-sample rollout tensors (values, returns) of this micro-batch
 
 
-def micro_batches(batch_size: int, micro: int) -> list[slice]:
-    return [slice(s, min(s + micro, batch_size)) for s in range(0, batch_size, micro)]
+def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None = None) -> list[slice]:
+    """Slices of about ``micro`` rows. With ``group_index`` (groups contiguous, as every backend
+    returns them) a slice never ends inside a group, so group-level objectives (FlowRL's VarGrad)
+    see whole groups; a slice then exceeds ``micro`` by less than one group."""
+    groups = group_index.tolist() if group_index is not None else None
+    out, start = [], 0
+    while start < batch_size:
+        end = min(start + micro, batch_size)
+        while groups is not None and end < batch_size and groups[end] == groups[end - 1]:
+            end += 1
+        out.append(slice(start, end))
+        start = end
+    return out
 
 
 @torch.no_grad()
@@ -101,7 +112,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        for sl in micro_batches(rollout_ids.shape[0], micro_batch_size):
+        for sl in micro_batches(rollout_ids.shape[0], micro_batch_size, rollout.group_index):
             fo = response_forward(model, rollout_ids[sl], rollout_mask[sl], width, temperature,
                                   entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
             m = resp_mask[sl]
