@@ -107,3 +107,17 @@ def test_grpo_yaml_is_the_default_recipe():
     from pathlib import Path
 
     assert load_config(Path(__file__).parents[1] / "configs" / "grpo.yaml") == load_config()
+
+
+def test_recipe_fills_unset_keys_and_explicit_values_win():
+    ppo = load_config(None, ["algorithm.name=ppo"]).algorithm
+    assert (ppo.advantage, ppo.loss) == ("gae", "ppo_clip") and ppo.kl_coef > 0
+    # An explicit value equal to the dataclass default still overrides the recipe.
+    assert load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0"]).algorithm.kl_coef == 0.0
+    dr = load_config(None, ["algorithm.name=dr_grpo"]).algorithm
+    assert dr.norm_adv_by_std is False
+
+
+def test_unknown_algorithm_fails_at_load_time():
+    with pytest.raises(ConfigError, match="algorithm.name.*'grpo'"):
+        load_config(None, ["algorithm.name=grop"])

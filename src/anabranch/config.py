@@ -270,6 +270,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(item)
         set_dotted(data, key, value)
     cfg = from_dict(Config, data, prefix="")
+    # Resolve the recipe now, knowing which algorithm keys the user set, so that an explicit value
+    # wins even when it equals the default and config.yaml records what actually runs.
+    from anabranch.algorithms.resolve import apply_recipe
+
+    cfg.algorithm = apply_recipe(cfg.algorithm, explicit=set(data.get("algorithm") or {}))
     validate(cfg)
     return cfg
 

@@ -27,8 +27,13 @@ class Algorithm:
     aux_losses: tuple = ()
 
 
-def apply_recipe(cfg: AlgorithmConfig) -> AlgorithmConfig:
-    """Fill the fields the user left at their defaults from the named recipe."""
+def apply_recipe(cfg: AlgorithmConfig, explicit: set | None = None) -> AlgorithmConfig:
+    """Fill the fields the user did not set from the named recipe.
+
+    ``explicit`` names the algorithm keys the user set (``load_config`` knows them), so that an
+    explicit value equal to the default (``algorithm.kl_coef=0`` with ``name=ppo``) is kept; without
+    it, a field still equal to its default counts as unset.
+    """
     if cfg.name not in RECIPES:
         try:
             RECIPES.get(cfg.name)
@@ -40,13 +45,23 @@ def apply_recipe(cfg: AlgorithmConfig) -> AlgorithmConfig:
     for key, value in recipe.items():
         if not hasattr(cfg, key):
             raise ConfigError(f"recipe {cfg.name!r} sets unknown algorithm key {key!r}")
-        if getattr(cfg, key) == getattr(defaults, key):  # the user did not set it
+        unset = key not in explicit if explicit is not None else getattr(cfg, key) == getattr(defaults, key)
+        if unset:
             updates[key] = value
     return dataclasses.replace(cfg, **updates)
 
 
+def _check_name(cfg: AlgorithmConfig) -> AlgorithmConfig:
+    try:
+        RECIPES.get(cfg.name)
+    except KeyError as exc:
+        raise ConfigError(f"algorithm.name: {exc.args[0]}") from None
+    return cfg
+
+
 def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
-    cfg = apply_recipe(cfg)
+    # A config from load_config has its recipe applied already (every recipe sets both).
+    cfg = apply_recipe(cfg) if not (cfg.advantage and cfg.loss) else _check_name(cfg)
     for key, registry in (("advantage", ADVANTAGES), ("loss", OBJECTIVES)):
         name = getattr(cfg, key)
         try:
