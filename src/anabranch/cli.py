@@ -27,12 +27,20 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml())
             return 0
         from anabranch.trainer.loop import train
+        from anabranch.trainer.signals import RunStopped
 
         try:
             result = train(cfg)
         except ConfigError as exc:
             print(f"anabranch: error: {exc}", file=sys.stderr)
             return 2
+        except RunStopped as exc:  # a signal or a streak of NaN steps: checkpoint written
+            print(f"anabranch: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:  # a second Ctrl-C: the last complete checkpoint is intact
+            print("anabranch: interrupted at once; resume from the last checkpoint with trainer.resume=auto",
+                  file=sys.stderr)
+            return 130
         before, after = result.accuracy_before, result.accuracy_after
         if before is not None and after is not None:
             print(f"held-out accuracy: before {before:.3f} -> after {after:.3f} ({after - before:+.3f})")

@@ -11,11 +11,13 @@ import torch
 from anabranch.config import Config
 from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.rewards import score
-from anabranch.trainer.checkpoint import export_hf, save_checkpoint
+from anabranch.trainer.checkpoint import export_hf
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.progress import Progress
+from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.sampler import PromptSampler
+from anabranch.trainer.signals import GracefulStop
 from anabranch.trainer.step import policy_update
 
 
@@ -29,7 +31,15 @@ class TrainResult:
 
 
 def train(cfg: Config) -> TrainResult:
-    """Run the whole job described by ``cfg`` and return where it wrote its outputs."""
+    """Run the whole job described by ``cfg`` and return where it wrote its outputs.
+
+    SIGINT/SIGTERM stop it after the current step with a checkpoint, and too many non-finite
+    steps in a row stop it too: both raise :class:`~anabranch.trainer.signals.RunStopped`."""
+    with GracefulStop() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     c = build(cfg)
     run = RunDir(cfg)
@@ -52,9 +62,12 @@ def train(cfg: Config) -> TrainResult:
         progress.write(f"held-out {key} ({tag}, greedy, {res['n']} problems): {res[key]:.3f}")
         return res[key]
 
-    if cfg.trainer.eval_before:
+    ckpt = Checkpointer(cfg, c, run, sampler, scheduler, result, progress, stop)
+    start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
+    progress.bar.update(start)
+    if cfg.trainer.eval_before and start == 0:
         result.accuracy_before = evaluate("before", 0)
-    for step in range(1, cfg.trainer.steps + 1):
+    for step in range(start + 1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
         idx = sampler.next(cfg.rollout.prompts_per_step)
         rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n)
@@ -76,6 +89,7 @@ def train(cfg: Config) -> TrainResult:
         metrics.update(rollout_metrics(rewards, per_source, rollout, acc_src))
         metrics.update({"lr": scheduler.get_last_lr()[0], "time/step_s": time.perf_counter() - t0,
                         "time/generate_s": t_gen})
+        ckpt.observe(step, metrics)  # counts and reports NaN/inf steps
         run.log_metrics(step, metrics)
         run.log_samples(step, [{"question": str(rows[i]["question"]), "answer": rows[i]["answer"],
                                 "completion": rollout.completions[i], "reward": total[i]}
@@ -84,9 +98,7 @@ def train(cfg: Config) -> TrainResult:
         progress.update(step, metrics)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.steps:
             evaluate(f"step{step}", step)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-            save_checkpoint(run.path, step, c.model, c.tokenizer, c.optimizer,
-                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()})
+        ckpt.after_step(step)  # periodic save; on a signal or NaN streak: save and raise RunStopped
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)

@@ -8,6 +8,7 @@ optimizer step when the gradient is not finite.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -78,6 +79,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
+        epoch_loss = 0.0
         for sl in micro_batches(rollout_ids.shape[0], micro_batch_size):
             fo = response_forward(model, rollout_ids[sl], rollout_mask[sl], width, temperature,
                                   entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
@@ -97,12 +99,14 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             loss.backward()
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
+            epoch_loss += metrics["loss"]
             metrics["entropy"] = masked_mean(fo.entropy.detach(), m).item()
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        if torch.isfinite(grad_norm):
+        # A NaN/inf loss or gradient must not reach the weights or the Adam moments.
+        if torch.isfinite(grad_norm) and math.isfinite(epoch_loss):
             optimizer.step()
         else:
             skipped += 1
