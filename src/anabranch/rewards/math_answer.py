@@ -5,7 +5,8 @@ extractors (a ``\\boxed{}`` answer first, else the last number or expression in 
 compared by mathematical equivalence. Reward 1.0 when equivalent, else 0.0.
 
 math-verify implements its timeouts with ``signal.alarm``, which only works on the main thread:
-off the main thread it is called with those timeouts disabled.
+off the main thread it is called with those timeouts disabled (the caller must bound the time).
+Whatever the text, the reward is 0.0 or 1.0: an error inside math-verify counts as "not equivalent".
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from functools import lru_cache
 
 from anabranch.rewards.registry import REWARDS
 
+# Seconds math-verify may spend parsing one text / comparing one pair (whole seconds: signal.alarm).
+PARSE_TIMEOUT_S = 5
+VERIFY_TIMEOUT_S = 5
+
 
 def _timeouts() -> dict:
     if threading.current_thread() is threading.main_thread():
-        return {}
+        return {"parsing_timeout": PARSE_TIMEOUT_S}
     return {"parsing_timeout": None}
 
 
@@ -31,6 +36,13 @@ def _parse_gold(answer: str):
 
 
 def is_equivalent(completion: str, answer: str) -> bool:
+    try:
+        return _is_equivalent(completion, answer)
+    except Exception:  # a parser bug on odd text must not stop training: count it as wrong
+        return False
+
+
+def _is_equivalent(completion: str, answer: str) -> bool:
     from math_verify import parse, verify
 
     gold = _parse_gold(str(answer))
@@ -39,7 +51,8 @@ def is_equivalent(completion: str, answer: str) -> bool:
     pred = parse(completion, **_timeouts())
     if not pred:
         return False
-    kwargs = {} if threading.current_thread() is threading.main_thread() else {"timeout_seconds": None}
+    main = threading.current_thread() is threading.main_thread()
+    kwargs = {"timeout_seconds": VERIFY_TIMEOUT_S if main else None}
     return bool(verify(gold, pred, **kwargs))
 
 
