@@ -92,3 +92,15 @@ def test_resume_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="trainer.resume"):
         check_paths(load_config(None, [f"trainer.resume={tmp_path / 'nope'}"]))
+
+
+def test_resume_with_another_model_is_a_clear_error(tiny_model_dir, write_jsonl, tmp_path):
+    from anabranch.models.tiny import build_tiny_model
+
+    data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
+    first = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 1, "trainer.save_every": 1}))
+    other = build_tiny_model(tmp_path / "wider", hidden=32)
+    ckpt = list_checkpoints(Path(first.run_dir) / "checkpoints")[0]
+    with pytest.raises(ConfigError, match=r"does not fit this run's model\.path.*config\.yaml"):
+        train(run_cfg(str(other), data, tmp_path, **{"trainer.steps": 2, "trainer.resume": str(ckpt),
+                                                     "trainer.run_name": "other"}))

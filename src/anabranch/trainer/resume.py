@@ -110,8 +110,14 @@ class Checkpointer:
                                     f"in {self.run.path / 'checkpoints'}, starting from step 0")
             return 0
         c, st = self.c, load_state(path)
-        load_model_weights(c.model, path)
-        c.optimizer.load_state_dict(st["optimizer"])
+        try:
+            load_model_weights(c.model, path)
+            c.optimizer.load_state_dict(st["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            why = " ".join(line.strip() for line in str(exc).splitlines()[:2])  # torch lists every tensor
+            raise ConfigError(f"checkpoint {path} does not fit this run's model.path={self.cfg.model.path!r} "
+                              f"and algorithm ({why} ...); resume with the config the checkpoint was written "
+                              f"with ({path.parent.parent / 'config.yaml'})") from exc
         self.scheduler.load_state_dict(st["scheduler"])
         self.sampler.load_state_dict(st["sampler"])
         saved_modules = st.get("modules", {})
