@@ -66,7 +66,7 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, write_jsonl, tmp_path,
     assert any(not torch.equal(a[k], at_half[k]) for k in a)
 
 
-def test_resume_auto_continues_own_run_and_keep_last_rotates(tiny_model_dir, write_jsonl, tmp_path):
+def test_resume_auto_continues_own_run_and_keep_last_rotates(tiny_model_dir, write_jsonl, tmp_path, capsys):
     data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
     first = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 4, "trainer.save_every": 1,
                                                              "trainer.keep_last": 2}))
@@ -75,6 +75,8 @@ def test_resume_auto_continues_own_run_and_keep_last_rotates(tiny_model_dir, wri
     more = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 6, "trainer.save_every": 1,
                                                             "trainer.keep_last": 2, "trainer.resume": "auto"}))
     assert len(more.history) == 6
+    out = capsys.readouterr().out
+    assert "continuing at step 5 of 6" in out and "differs" not in out  # only trainer.steps/resume changed
     assert [r["step"] for r in metric_rows(more.run_dir)] == [1, 2, 3, 4, 5, 6]
     assert [p.name for p in list_checkpoints(Path(more.run_dir) / "checkpoints")] == ["step-000005", "step-000006"]
 
@@ -104,3 +106,11 @@ def test_resume_with_another_model_is_a_clear_error(tiny_model_dir, write_jsonl,
     with pytest.raises(ConfigError, match=r"does not fit this run's model\.path.*config\.yaml"):
         train(run_cfg(str(other), data, tmp_path, **{"trainer.steps": 2, "trainer.resume": str(ckpt),
                                                      "trainer.run_name": "other"}))
+
+
+def test_changed_config_keys_are_named():
+    from anabranch.trainer.resume import changed_keys
+
+    a = load_config(None, ["trainer.steps=4"]).to_dict()
+    b = load_config(None, ["trainer.steps=8", "trainer.lr=1e-3", "rollout.n=8", "task.params={x: 1}"]).to_dict()
+    assert changed_keys(a, b) == ["rollout.n", "task.params", "trainer.lr"]

@@ -59,6 +59,24 @@ def resume_command(cfg: Config, run_path: Path) -> str:
                      shlex.quote(f"trainer.run_name={Path(run_path).name}"), "trainer.resume=auto"])
 
 
+# Keys that may differ between a run and its resumption without changing its trajectory.
+RESUME_MAY_CHANGE = {"trainer.resume", "trainer.steps", "trainer.run_name", "trainer.output_dir",
+                     "trainer.save_every", "trainer.keep_last", "trainer.progress", "trainer.eval_after",
+                     "trainer.save_final", "trainer.max_nonfinite_in_a_row", "trainer.tensorboard"}
+
+
+def changed_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted config keys whose values differ between two ``Config.to_dict()`` results."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b, name = saved.get(key), current.get(key), prefix + key
+        if isinstance(a, dict) and isinstance(b, dict) and name not in ("task.params",):
+            out += changed_keys(a, b, name + ".")
+        elif a != b and name not in RESUME_MAY_CHANGE:
+            out.append(name)
+    return out
+
+
 def cut_log(path: Path, step: int) -> None:
     """Drop rows logged after ``step`` (by a run that went on past its last checkpoint and crashed)."""
     if not path.is_file():
@@ -131,6 +149,10 @@ class Checkpointer:
         self.result.accuracy_before = st.get("accuracy_before")
         c.backend.sync_weights(c.model)
         step = st["step"]
+        changed = changed_keys(st.get("config", {}), self.cfg.to_dict())
+        if changed:
+            self.progress.write(f"anabranch: warning: resuming with a config that differs from the checkpoint's in "
+                                f"{', '.join(changed)}: the run will not follow the trajectory it would have taken")
         for name in ("metrics.jsonl", "samples.jsonl"):
             cut_log(self.run.path / name, step)
         set_rng_state(st["rng"])  # last, so nothing above draws from the restored generators
