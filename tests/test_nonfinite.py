@@ -4,7 +4,6 @@ message and a checkpoint holding the last good weights."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
