@@ -9,10 +9,29 @@ import pytest
 import torch
 
 from anabranch import load_config, train
+from anabranch.algorithms.registries import OBJECTIVES
 from anabranch.config import ConfigError
 from anabranch.trainer.checkpoint import list_checkpoints, load_state
 
 from test_train_e2e import tiny_overrides
+
+
+class ScalarHead(torch.nn.Module):
+    """A learned scalar, standing in for an extra trainable head (FlowRL's log Z, a value head)."""
+
+    def __init__(self, model_config, algo_cfg):
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.zeros(()))
+
+
+if "test_with_head" not in OBJECTIVES:
+    @OBJECTIVES.register("test_with_head", needs=(), modules={"head": ScalarHead})
+    def loss_with_head(log_prob, old_log_prob, advantages, response_mask, ctx):
+        # The head's value enters the loss, so a head not restored on resume changes the metrics.
+        z = ctx.modules["head"].z
+        seq = (log_prob * response_mask).sum(-1)
+        loss = ((seq.detach() * 0 + z - ctx.rewards) ** 2).mean() + ctx.aggregate(-advantages * log_prob, response_mask)
+        return loss, {"head_z": z.item()}
 
 
 def run_cfg(model_dir, data, out, **extra):
@@ -41,10 +60,11 @@ def metric_rows(run_dir):
 
 # 12 training rows (16 - 4 held out). 4 prompts per step: the checkpoint after step 3 ends epoch 0
 # exactly; 5 prompts per step: steps 3 and 4 each straddle an epoch boundary.
-@pytest.mark.parametrize("prompts_per_step", [4, 5])
-def test_resume_matches_uninterrupted_run(tiny_model_dir, write_jsonl, tmp_path, prompts_per_step):
+# The third case adds an extra trainable head (ctx.modules), saved and restored with the policy.
+@pytest.mark.parametrize("prompts_per_step,loss", [(4, "ppo_clip"), (5, "ppo_clip"), (4, "test_with_head")])
+def test_resume_matches_uninterrupted_run(tiny_model_dir, write_jsonl, tmp_path, prompts_per_step, loss):
     data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7" if i % 2 else "3"} for i in range(16)])
-    common = {"trainer.steps": 6, "rollout.prompts_per_step": prompts_per_step}
+    common = {"trainer.steps": 6, "rollout.prompts_per_step": prompts_per_step, "algorithm.loss": loss}
     full = train(run_cfg(tiny_model_dir, data, tmp_path, **common, **{"trainer.save_every": 3,
                                                                       "trainer.run_name": "full"}))
     half = list_checkpoints(Path(full.run_dir) / "checkpoints")[0]
@@ -64,6 +84,10 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, write_jsonl, tmp_path,
 
     at_half = AutoModelForCausalLM.from_pretrained(str(half / "model")).state_dict()
     assert any(not torch.equal(a[k], at_half[k]) for k in a)
+    if loss == "test_with_head":
+        zs = [m["head_z"] for m in full.history]
+        assert zs[3] != 0.0 and len(set(zs)) == 6  # the head learned, and step 4 used the restored value
+        assert load_state(half)["modules"]["head"]["z"].item() != 0.0
 
 
 def test_resume_auto_continues_own_run_and_keep_last_rotates(tiny_model_dir, write_jsonl, tmp_path, capsys):
