@@ -107,3 +107,23 @@ def test_second_sigint_stops_at_once(tiny_model_dir, data, tmp_path):
     assert time.time() - t0 < 30  # not the 300 s the step would take
     assert proc.returncode == 130 and "interrupted at once" in err
     assert list_checkpoints(tmp_path / "tiny" / "checkpoints") == []
+
+
+def test_signal_handler_states():
+    # Before training starts a signal stops at once; during training the first one only asks to
+    # stop after the step, the second stops at once; the old handlers come back afterwards.
+    from anabranch.trainer.signals import GracefulStop
+
+    before = signal.getsignal(signal.SIGINT)
+    with GracefulStop() as stop:
+        with pytest.raises(KeyboardInterrupt, match="before training started"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.training = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before

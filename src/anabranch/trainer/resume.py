@@ -121,6 +121,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
     def restore(self) -> int:
         """Load the checkpoint ``trainer.resume`` names, if any; return the step it ended at."""
+        self.stop.training = True  # from here a first signal waits for the step to finish
         path = find_checkpoint(self.cfg, self.run.path)
         if path is None:
             if self.cfg.trainer.resume:

@@ -25,6 +25,8 @@ class GracefulStop:
 
     def __init__(self):
         self.signum: int | None = None
+        # Until the loop is ready to train (models loading, no step to finish) a signal stops at once.
+        self.training = False
         self._old: dict = {}
 
     @property
@@ -32,6 +34,8 @@ class GracefulStop:
         return self.signum is not None
 
     def _handle(self, signum, frame) -> None:
+        if not self.training:
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} before training started")
         if self.signum is not None:
             # Second signal: no more waiting. Checkpoints are atomic, so the last one stays whole.
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
