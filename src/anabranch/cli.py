@@ -37,12 +37,20 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.distributed.num_processes > 1 and not launched():  # start N ranks under accelerate
             return relaunch(cfg, list(argv if argv is not None else sys.argv[1:]))
         from anabranch.trainer.loop import train
+        from anabranch.trainer.signals import RunStopped
 
         try:
             result = train(cfg)
         except ConfigError as exc:
             print(f"anabranch: error: {exc}", file=sys.stderr)
             return 2
+        except RunStopped as exc:  # a signal or a streak of NaN steps: checkpoint written
+            print(f"anabranch: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:  # a second Ctrl-C: the last complete checkpoint is intact
+            print("anabranch: interrupted at once; resume from the last checkpoint with trainer.resume=auto",
+                  file=sys.stderr)
+            return 130
         if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 reports
             return 0
         before, after = result.accuracy_before, result.accuracy_after

@@ -68,6 +68,9 @@ class TaskConfig:
     instruction: str = ""
     chat_template: bool = True
     max_prompt_tokens: int = 512
+    # Malformed rows (bad JSON, missing or empty prompt): false stops with the file and row
+    # number; true skips them and logs how many were skipped.
+    skip_bad_rows: bool = False
 
 
 @dataclass
@@ -227,6 +230,13 @@ class TrainerConfig:
     log_samples: int = 4
     progress: bool = True
     tensorboard: bool = True
+    # Continue from a checkpoint: "" starts fresh, "auto" takes the latest complete checkpoint of
+    # this run directory (output_dir/run_name) if there is one, or a checkpoint folder PATH.
+    resume: str = ""
+    # Checkpoints kept on disk (the oldest are deleted after each save); 0 keeps them all.
+    keep_last: int = 0
+    # Consecutive steps whose loss or gradient is NaN/inf (update skipped) before the run stops.
+    max_nonfinite_in_a_row: int = 5
 
 
 @dataclass
@@ -466,6 +476,12 @@ def validate(cfg: Config) -> None:
         (cfg.distributed.mixed_precision in ("no", "bf16", "fp16"), "distributed.mixed_precision",
          "must be one of no, bf16, fp16"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
+        (cfg.trainer.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 keeps every checkpoint)"),
+        (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),
+        (cfg.trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no periodic checkpoints)"),
+        (cfg.trainer.resume != "auto" or bool(cfg.trainer.run_name), "trainer.resume",
+         "=auto needs a fixed trainer.run_name (the default name has a timestamp, so a new run "
+         "would never find the old checkpoints); set trainer.run_name=NAME"),
     ]
     for ok, key, why in checks:
         if not ok:

@@ -1,21 +1,27 @@
 """The user's own data: JSONL, JSON, parquet, CSV, a saved Hugging Face dataset or a Hub id.
 
 Every row must have a prompt column and an answer column (names configurable); a missing
-file, a missing column or an empty dataset raises :class:`DataError` naming it.
+file, a missing column or an empty dataset raises :class:`DataError` naming it. A malformed row
+(a JSONL line that is not a JSON object, a missing or empty prompt) is reported with the file and
+its row number, or skipped and counted when ``task.skip_bad_rows`` is true.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from anabranch.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ConfigError):
     """Unusable data, reported before training starts."""
 
 
-def load_rows(path: str, split: str = "train") -> list[dict]:
+def load_rows(path: str, split: str = "train", skip_bad: bool = False) -> list[dict]:
     """Read all rows of ``path`` as plain dicts."""
     if path.startswith("hf:"):
         return _load_hub(path[3:], split)
@@ -25,6 +31,8 @@ def load_rows(path: str, split: str = "train") -> list[dict]:
     if p.is_dir():
         return _load_saved_dataset(p, split)
     suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return _load_jsonl(p, skip_bad)
     import datasets
 
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -35,6 +43,35 @@ def load_rows(path: str, split: str = "train") -> list[dict]:
     except Exception as exc:  # datasets raises many types for malformed files
         raise DataError(f"cannot read dataset file {p}: {exc}") from exc
     return [dict(r) for r in ds]
+
+
+def _load_jsonl(p: Path, skip_bad: bool) -> list[dict]:
+    # Read line by line (not with `datasets`) so that a bad line is reported by its number.
+    rows, bad = [], []
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                problem = None if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+            except json.JSONDecodeError as exc:
+                problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+            if problem is None:
+                rows.append(row)
+                continue
+            if not skip_bad:
+                raise DataError(f"dataset file {p} line {number} is {problem}; fix the line, or set "
+                                "task.skip_bad_rows=true to skip malformed rows")
+            bad.append(number)
+    _report_skipped(str(p), bad, "line")
+    return rows
+
+
+def _report_skipped(source: str, bad: list[int], unit: str) -> None:
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        log.warning("skipped %d malformed rows of %s (task.skip_bad_rows=true); %ss: %s", len(bad), source, unit, shown)
 
 
 def _load_saved_dataset(p: Path, split: str) -> list[dict]:
@@ -61,19 +98,42 @@ def _load_hub(name: str, split: str) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def check_columns(rows: list[dict], source: str, prompt_column: str, answer_column: str) -> list[dict]:
-    """Rename the configured columns to ``question``/``answer``; fail clearly when absent."""
+def check_columns(rows: list[dict], source: str, prompt_column: str, answer_column: str,
+                  skip_bad: bool = False) -> list[dict]:
+    """Rename the configured columns to ``question``/``answer``; fail clearly (or skip) when a row
+    lacks them or has an empty prompt. Rows are numbered from 1."""
     if not rows:
         raise DataError(f"dataset {source} is empty")
-    out = []
-    for i, row in enumerate(rows):
-        for col, key in ((prompt_column, "task.prompt_column"), (answer_column, "task.answer_column")):
-            if col not in row:
-                raise DataError(
-                    f"dataset {source} row {i} has no column {col!r} (set {key}); columns: {sorted(row)}"
-                )
+    out, bad = [], []
+    for i, row in enumerate(rows, start=1):
+        problem = _row_problem(row, prompt_column, answer_column)
+        if problem is not None:
+            if not skip_bad:
+                raise DataError(f"dataset {source} row {i} {problem}; fix the row, or set "
+                                "task.skip_bad_rows=true to skip malformed rows")
+            bad.append(i)
+            continue
         item = dict(row)
         item["question"] = row[prompt_column]
         item["answer"] = row[answer_column] if row[answer_column] is None else str(row[answer_column])
         out.append(item)
+    _report_skipped(source, bad, "row")
+    if not out:
+        raise DataError(f"dataset {source} has no usable rows ({len(bad)} malformed rows skipped)")
     return out
+
+
+def _row_problem(row: dict, prompt_column: str, answer_column: str) -> str | None:
+    for col, key in ((prompt_column, "task.prompt_column"), (answer_column, "task.answer_column")):
+        if col not in row:
+            return f"has no column {col!r} (set {key}); columns: {sorted(row)}"
+    prompt = row[prompt_column]
+    if isinstance(prompt, list):  # chat messages
+        if not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+            return f"has a {prompt_column!r} list that is not chat messages ({{'role', 'content'}} dicts)"
+        return None
+    if isinstance(prompt, (int, float)) and not isinstance(prompt, bool) and prompt == prompt:
+        return None  # a number (CSV readers turn "12" into 12); NaN (an empty CSV cell) fails below
+    if not isinstance(prompt, str) or not prompt.strip():
+        return f"has an empty or non-text prompt in column {prompt_column!r}: {prompt!r}"
+    return None

@@ -77,10 +77,11 @@ def _rg_row(dataset, entry: dict) -> dict:
 def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     if not cfg.path:
         raise ConfigError("task.name=file needs task.path=FILE (.jsonl, .parquet, .csv, a saved dataset, or hf:ID)")
-    rows = check_columns(load_rows(cfg.path, cfg.split), cfg.path, cfg.prompt_column, cfg.answer_column)
+    skip = cfg.skip_bad_rows
+    rows = check_columns(load_rows(cfg.path, cfg.split, skip), cfg.path, cfg.prompt_column, cfg.answer_column, skip)
     if cfg.eval_split:
-        held = check_columns(load_rows(cfg.path, cfg.eval_split), f"{cfg.path}[{cfg.eval_split}]",
-                             cfg.prompt_column, cfg.answer_column)
+        held = check_columns(load_rows(cfg.path, cfg.eval_split, skip), f"{cfg.path}[{cfg.eval_split}]",
+                             cfg.prompt_column, cfg.answer_column, skip)
         return rows[: cfg.train_size], held[: cfg.eval_size]
     # No held-out split given: keep the last eval_size rows out of training.
     n_eval = min(cfg.eval_size, len(rows) // 2)

@@ -4,22 +4,21 @@ The gold answer and the completion are parsed with math-verify's LaTeX and expre
 extractors (a ``\\boxed{}`` answer first, else the last number or expression in the text), and
 compared by mathematical equivalence. Reward 1.0 when equivalent, else 0.0.
 
-math-verify implements its timeouts with ``signal.alarm``, which only works on the main thread:
-off the main thread it is called with those timeouts disabled.
+math-verify's own timeouts (a one-shot ``signal.alarm``) can be swallowed and are disabled; one
+comparison is bounded by :func:`~anabranch.rewards.time_limit.time_limit` instead (main thread
+only: elsewhere the caller must bound the time). Whatever the text, the reward is 0.0 or 1.0: an
+error or a timeout inside math-verify counts as "not equivalent".
 """
 
 from __future__ import annotations
 
-import threading
 from functools import lru_cache
 
 from anabranch.rewards.registry import REWARDS
+from anabranch.rewards.time_limit import TimeLimitExceeded, time_limit
 
-
-def _timeouts() -> dict:
-    if threading.current_thread() is threading.main_thread():
-        return {}
-    return {"parsing_timeout": None}
+# Seconds one completion/answer comparison may take (parsing both and comparing).
+TIMEOUT_S = 5.0
 
 
 @lru_cache(maxsize=4096)
@@ -27,20 +26,27 @@ def _parse_gold(answer: str):
     from math_verify import parse
 
     text = answer if "\\boxed" in answer or "$" in answer else f"${answer}$"
-    return parse(text, **_timeouts())
+    return parse(text, parsing_timeout=None)
 
 
 def is_equivalent(completion: str, answer: str) -> bool:
+    try:
+        with time_limit(TIMEOUT_S):
+            return _is_equivalent(completion, answer)
+    except (Exception, TimeLimitExceeded):  # odd text must not stop training: count it as wrong
+        return False
+
+
+def _is_equivalent(completion: str, answer: str) -> bool:
     from math_verify import parse, verify
 
     gold = _parse_gold(str(answer))
     if not gold:
         return False
-    pred = parse(completion, **_timeouts())
+    pred = parse(completion, parsing_timeout=None)
     if not pred:
         return False
-    kwargs = {} if threading.current_thread() is threading.main_thread() else {"timeout_seconds": None}
-    return bool(verify(gold, pred, **kwargs))
+    return bool(verify(gold, pred, timeout_seconds=None))
 
 
 @REWARDS.register("math_verify", correctness=True)

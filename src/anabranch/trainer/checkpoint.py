@@ -1,10 +1,13 @@
 """Checkpoints: a Hugging Face folder for the model (loadable with no anabranch code) plus a
 ``trainer_state.pt`` with what resuming needs (optimizer, step, data position, RNG states, extra
-heads). Each is written under a temporary name and renamed when complete."""
+heads). Each is written under a temporary name and renamed when complete, so a folder named
+``step-N`` is always whole; a crash while writing leaves only a ``step-N.tmp`` that is ignored
+and cleaned up later."""
 
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +15,9 @@ import numpy as np
 import torch
 
 from anabranch.models.loading import save_hf
+
+STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def export_hf(model, tokenizer, path: Path) -> Path:
@@ -27,13 +33,19 @@ def export_hf(model, tokenizer, path: Path) -> Path:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # Sampling in HF generate draws from the torch global generators (CPU, and CUDA on a GPU).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def module_states(modules: dict) -> dict:
@@ -51,14 +63,59 @@ def load_module_states(modules: dict, trainer_state: dict) -> None:
         module.load_state_dict(saved[name])
 
 
-def save_checkpoint(run_path: Path, step: int, model, tokenizer, optimizer, state: dict) -> Path:
-    path = Path(run_path) / "checkpoints" / f"step-{step:06d}"
+def save_checkpoint(run_path: Path, step: int, model, tokenizer, optimizer, state: dict,
+                    keep_last: int = 0) -> Path:
+    """Write ``checkpoints/step-N`` atomically, then delete all but the ``keep_last`` newest."""
+    folder = Path(run_path) / "checkpoints"
+    path = folder / f"step-{step:06d}"
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(model, tokenizer, tmp / "model")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), **state},
-               tmp / "trainer_state.pt")
+               tmp / STATE_FILE)
     if path.exists():
         shutil.rmtree(path)
-    tmp.rename(path)
+    tmp.rename(path)  # the commit point: before it only step-N.tmp exists
+    rotate(folder, keep_last)
     return path
+
+
+def is_complete(path: Path) -> bool:
+    return (_STEP_DIR.match(path.name) is not None and (path / STATE_FILE).is_file()
+            and (path / "model" / "config.json").is_file())
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    done = [p for p in folder.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def rotate(folder: Path, keep_last: int) -> None:
+    """Delete leftovers of interrupted writes and, if ``keep_last`` > 0, the oldest checkpoints."""
+    for leftover in Path(folder).glob("step-*.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep_last > 0:
+        for old in list_checkpoints(folder)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_state(path: Path) -> dict:
+    # Our own file; it holds numpy/python RNG states, which the weights-only unpickler refuses.
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def load_model_weights(model, path: Path) -> None:
+    """Copy the weights saved in ``path/model`` into ``model`` in place (same tensors, so an
+    optimizer built on them stays valid). Loading through transformers handles tied weights and
+    any key renaming it applies when saving; fp32 safetensors round-trip bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(model.parameters()).dtype
+    saved = AutoModelForCausalLM.from_pretrained(str(Path(path) / "model"), dtype=dtype)
+    with torch.no_grad():
+        model.load_state_dict(saved.state_dict(), strict=True)
+    del saved

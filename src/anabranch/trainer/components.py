@@ -20,6 +20,7 @@ from anabranch.models.loading import load_model, load_tokenizer
 from anabranch.models.lora import apply_lora, reference_policy
 from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rollout import ROLLOUT_BACKENDS
+from anabranch.trainer.preflight import check_paths, check_prompt_lengths
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def build(cfg: Config) -> Components:
+    check_paths(cfg)  # model.path, model.tokenizer, trainer.resume exist
     algo = resolve_algorithm(cfg.algorithm)
     if ADVANTAGES.meta(algo.cfg.advantage).get("group") and cfg.rollout.n < 2:
         raise ConfigError("rollout.n must be >= 2 for group-relative advantages (got 1)")
@@ -72,7 +74,7 @@ def build(cfg: Config) -> Components:
     train_rows, eval_rows = load_task(cfg.task)
     train_prompts = [build_prompt(r, cfg.task, tokenizer) for r in train_rows]
     eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
-    _check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg.task.max_prompt_tokens)
+    check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
@@ -93,16 +95,6 @@ def build_optimizer(cfg: Config, model, modules: dict):
         if params:
             groups.append({"params": params, "lr": t.lr * getattr(module, "lr_multiplier", 1.0)})
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
-
-
-def _check_prompt_lengths(prompts: list[str], tokenizer, limit: int) -> None:
-    for i, text in enumerate(prompts):
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if n > limit:
-            raise ConfigError(
-                f"prompt {i} is {n} tokens long, more than task.max_prompt_tokens={limit}; "
-                "raise task.max_prompt_tokens or shorten the prompts"
-            )
 
 
 def lr_lambda(cfg: Config):

@@ -16,13 +16,15 @@ from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
 from anabranch.trainer.advantage_pass import compute_advantages
-from anabranch.trainer.checkpoint import export_hf, module_states, save_checkpoint
+from anabranch.trainer.checkpoint import export_hf
 from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
 from anabranch.trainer.progress import Progress
+from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.sampler import PromptSampler
+from anabranch.trainer.signals import GracefulStop
 from anabranch.trainer.step import policy_update
 
 
@@ -36,7 +38,15 @@ class TrainResult:
 
 
 def train(cfg: Config) -> TrainResult:
-    """Run the whole job described by ``cfg`` and return where it wrote its outputs."""
+    """Run the whole job described by ``cfg`` and return where it wrote its outputs.
+
+    SIGINT/SIGTERM stop it after the current step with a checkpoint, and too many non-finite
+    steps in a row stop it too: both raise :class:`~anabranch.trainer.signals.RunStopped`."""
+    with GracefulStop() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg)
@@ -48,7 +58,7 @@ def train(cfg: Config) -> TrainResult:
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
-    kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β (state for checkpoints: kl_ctl.state_dict())
+    kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
     if dist.world_size > 1 and cfg.algorithm.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling is not supported with several processes yet; "
                           "set algorithm.dynamic_sampling=false or distributed.num_processes=1")
@@ -66,9 +76,13 @@ def train(cfg: Config) -> TrainResult:
             progress.write(f"held-out {key} ({tag}, greedy, {res['n']} problems): {res[key]:.3f}")
         return res[key]
 
-    if cfg.trainer.eval_before:
+    ckpt = Checkpointer(cfg, c, run, sampler, scheduler, result, progress, stop,
+                        stateful={"kl_controller": kl_ctl}, is_main=dist.is_main)
+    start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
+    progress.bar.update(start)
+    if cfg.trainer.eval_before and start == 0:
         result.accuracy_before = evaluate("before", 0)
-    for step in range(1, cfg.trainer.steps + 1):
+    for step in range(start + 1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
         # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
         batch = collect_batch(c, dist.sharded(sampler), cfg)
@@ -92,6 +106,7 @@ def train(cfg: Config) -> TrainResult:
         metrics = dist.mean_metrics(metrics)
         metrics.update(rollout_metrics(*dist.gather_rollout(rewards, per_source, rollout), acc_src))
         metrics["lr"] = scheduler.get_last_lr()[0]
+        ckpt.observe(step, metrics)  # counts and reports NaN/inf steps
         run.log_metrics(step, metrics)
         run.log_samples(step, [{"question": str(rows[i]["question"]), "answer": rows[i]["answer"],
                                 "completion": rollout.completions[i], "reward": total[i]}
@@ -100,10 +115,7 @@ def train(cfg: Config) -> TrainResult:
         progress.update(step, metrics)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.steps:
             evaluate(f"step{step}", step)
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and dist.is_main:
-            save_checkpoint(run.path, step, c.model, c.tokenizer, c.optimizer,
-                            {"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict(),
-                             "modules": module_states(c.modules)})
+        ckpt.after_step(step)  # periodic save; on a signal or NaN streak: save and raise RunStopped
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)

@@ -8,6 +8,7 @@ optimizer step when the gradient is not finite.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -112,6 +113,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
+        epoch_loss = 0.0
         for sl in micro_batches(rollout_ids.shape[0], micro_batch_size, rollout.group_index):
             fo = response_forward(model, rollout_ids[sl], rollout_mask[sl], width, temperature,
                                   entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
@@ -138,6 +140,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             loss.backward() if dist is None else dist.backward(loss)
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
+            epoch_loss += metrics["loss"]
             for key, value in update_diagnostics(fo.log_probs.detach(), old, adv, fo.entropy.detach(), m).items():
                 metrics.setdefault(key, value)  # an objective's own clip_frac/approx_kl win
             for key, value in metrics.items():
@@ -145,7 +148,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
         clip = torch.nn.utils.clip_grad_norm_ if dist is None else dist.clip_grad_norm
         grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
-        if torch.isfinite(grad_norm):
+        # A NaN/inf loss or gradient must not reach the weights or the Adam moments.
+        if torch.isfinite(grad_norm) and math.isfinite(epoch_loss):
             optimizer.step()
         else:
             skipped += 1

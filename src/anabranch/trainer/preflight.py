@@ -1,0 +1,68 @@
+"""Cheap checks that run before any model is loaded, so that a mistake costs seconds, not a
+model load: paths that do not exist, and prompts that do not fit the model's context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from anabranch.config import Config, ConfigError
+
+
+def _looks_local(path: str) -> bool:
+    # A Hub id is "name" or "org/name"; anything else with a slash, or starting like a path, is a folder.
+    return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
+
+
+def check_model_path(value: str | None, key: str) -> None:
+    if not value or value.startswith("packaged:"):
+        return
+    p = Path(value).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").is_file() and key == "model.path":
+            raise ConfigError(f"{key}={value!r} is a folder without config.json: point it at a folder written by "
+                              "save_pretrained (or a checkpoint's model/ folder)")
+        return
+    if _looks_local(value):
+        raise ConfigError(f"{key}={value!r}: no such folder. Give a local model folder, a Hugging Face Hub id "
+                          "(org/name), or packaged:smollm2-135m-instruct")
+
+
+def check_paths(cfg: Config) -> None:
+    check_model_path(cfg.model.path, "model.path")
+    check_model_path(cfg.model.tokenizer, "model.tokenizer")
+    from anabranch.trainer.resume import check_resume_path
+
+    check_resume_path(cfg)
+
+
+def model_context(model_path: str) -> int | None:
+    """``max_position_embeddings`` of the model's config, or None if it cannot be read cheaply."""
+    try:
+        from transformers import AutoConfig
+
+        from anabranch.models.loading import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(model_path))
+    except Exception:  # an unreachable Hub id: the model load reports it properly later
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> None:
+    """Every prompt fits ``task.max_prompt_tokens`` and, with the response, the model's context."""
+    limit = cfg.task.max_prompt_tokens
+    context = model_context(cfg.model.path)
+    max_new = cfg.rollout.max_new_tokens
+    for i, text in enumerate(prompts):
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > limit:
+            raise ConfigError(
+                f"prompt {i} is {n} tokens long, more than task.max_prompt_tokens={limit}; "
+                "raise task.max_prompt_tokens or shorten the prompts"
+            )
+        if context is not None and n + max_new > context:
+            raise ConfigError(
+                f"prompt {i} is {n} tokens long; with rollout.max_new_tokens={max_new} it needs {n + max_new} "
+                f"positions but the model's context is {context} (max_position_embeddings in model.path's "
+                "config.json); shorten the prompts or lower rollout.max_new_tokens"
+            )

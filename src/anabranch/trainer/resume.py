@@ -1,0 +1,209 @@
+"""What a checkpoint holds and how a run continues from one.
+
+A checkpoint holds the policy weights (Hugging Face folder), the optimizer, the LR scheduler, the
+extra trainable heads (``modules``: log Z, value head), every RNG state (python, numpy, torch CPU
+and CUDA; HF ``generate`` samples from the torch generators), the prompt sampler's position, the
+step, the metrics history and the non-finite counters. Restoring all of them makes the resumed
+run take exactly the trajectory the uninterrupted one would have taken.
+
+:class:`Checkpointer` is what the loop talks to: ``restore()`` before the first step, and
+``after_step()`` after each one (periodic saves, stopping on a signal or on non-finite numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+from pathlib import Path
+
+from anabranch.config import Config, ConfigError
+from anabranch.trainer.checkpoint import (list_checkpoints, load_model_weights, load_module_states, load_state,
+                                          module_states, save_checkpoint, set_rng_state)
+from anabranch.trainer.nonfinite import NonFiniteGuard
+from anabranch.trainer.signals import GracefulStop, RunStopped
+
+
+def find_checkpoint(cfg: Config, run_path: Path) -> Path | None:
+    """The checkpoint ``trainer.resume`` points at, or None for a fresh start."""
+    resume = cfg.trainer.resume
+    if not resume:
+        return None
+    if resume == "auto":
+        done = list_checkpoints(Path(run_path) / "checkpoints")
+        return done[-1] if done else None
+    path = Path(resume).expanduser()
+    if (path / "checkpoints").is_dir():  # a run directory: its latest checkpoint
+        done = list_checkpoints(path / "checkpoints")
+        if done:
+            return done[-1]
+    if not (path / "trainer_state.pt").is_file():
+        raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint folder (no trainer_state.pt) "
+                          "nor a run directory with complete checkpoints; use trainer.resume=auto or "
+                          "a path such as runs/NAME/checkpoints/step-000100")
+    return path
+
+
+def check_resume_path(cfg: Config) -> None:
+    """Fail before any model is loaded when ``trainer.resume`` names a path that does not exist."""
+    resume = cfg.trainer.resume
+    if resume and resume != "auto" and not Path(resume).expanduser().exists():
+        raise ConfigError(f"trainer.resume={resume!r}: no such folder; give a checkpoint folder "
+                          "(runs/NAME/checkpoints/step-N), a run directory, or auto")
+
+
+def resume_command(cfg: Config, run_path: Path) -> str:
+    """The exact command that continues this run."""
+    return " ".join(["anabranch", "train", "--config", shlex.quote(str(Path(run_path) / "config.yaml")),
+                     shlex.quote(f"trainer.output_dir={Path(run_path).parent}"),
+                     shlex.quote(f"trainer.run_name={Path(run_path).name}"), "trainer.resume=auto"])
+
+
+# Keys that may differ between a run and its resumption without changing its trajectory.
+RESUME_MAY_CHANGE = {"trainer.resume", "trainer.steps", "trainer.run_name", "trainer.output_dir",
+                     "trainer.save_every", "trainer.keep_last", "trainer.progress", "trainer.eval_after",
+                     "trainer.save_final", "trainer.max_nonfinite_in_a_row", "trainer.tensorboard"}
+
+
+def changed_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted config keys whose values differ between two ``Config.to_dict()`` results."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b, name = saved.get(key), current.get(key), prefix + key
+        if isinstance(a, dict) and isinstance(b, dict) and name not in ("task.params",):
+            out += changed_keys(a, b, name + ".")
+        elif a != b and name not in RESUME_MAY_CHANGE:
+            out.append(name)
+    return out
+
+
+def cut_log(path: Path, step: int) -> None:
+    """Drop rows logged after ``step`` (by a run that went on past its last checkpoint and crashed)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:  # a line cut short by the crash
+            continue
+    # Rewritten in place: the run directory's append-mode handles keep appending at the new end.
+    with open(path, "r+") as f:
+        f.writelines(keep)
+        f.truncate()
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, c, run, sampler, scheduler, result, progress, stop: GracefulStop,
+                 stateful: dict | None = None, is_main: bool = True):
+        """``stateful``: other objects with state_dict/load_state_dict (the adaptive KL controller);
+        ``is_main``: only the main process of a data-parallel run writes checkpoints."""
+        self.cfg, self.c, self.run, self.sampler, self.scheduler = cfg, c, run, sampler, scheduler
+        self.stateful, self.is_main = dict(stateful or {}), is_main
+        self.result, self.progress, self.stop = result, progress, stop
+        self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
+        self.last_saved_step = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int) -> Path:
+        c = self.c
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "modules": module_states(c.modules),
+            "history": list(self.result.history),
+            "accuracy_before": self.result.accuracy_before,
+            "nonfinite": self.guard.state_dict(),
+            "config": self.cfg.to_dict(),
+            "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+        }
+        if not self.is_main:
+            self.last_saved_step = step
+            return self.run.path / "checkpoints" / f"step-{step:06d}"
+        path = save_checkpoint(self.run.path, step, c.model, c.tokenizer, c.optimizer, state,
+                               keep_last=self.cfg.trainer.keep_last)
+        self.last_saved_step = step
+        return path
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names, if any; return the step it ended at."""
+        self.stop.training = True  # from here a first signal waits for the step to finish
+        path = find_checkpoint(self.cfg, self.run.path)
+        if path is None:
+            if self.cfg.trainer.resume:
+                self.progress.write(f"trainer.resume={self.cfg.trainer.resume}: no complete checkpoint "
+                                    f"in {self.run.path / 'checkpoints'}, starting from step 0")
+            return 0
+        c, st = self.c, load_state(path)
+        try:
+            load_model_weights(c.model, path)
+            c.optimizer.load_state_dict(st["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            why = " ".join(line.strip() for line in str(exc).splitlines()[:2])  # torch lists every tensor
+            raise ConfigError(f"checkpoint {path} does not fit this run's model.path={self.cfg.model.path!r} "
+                              f"and algorithm ({why} ...); resume with the config the checkpoint was written "
+                              f"with ({path.parent.parent / 'config.yaml'})") from exc
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.sampler.load_state_dict(st["sampler"])
+        try:
+            load_module_states(c.modules, st)
+        except ValueError as exc:
+            raise ConfigError(f"checkpoint {path}: {exc}") from None
+        for name, obj in self.stateful.items():
+            if name in st.get("stateful", {}):
+                obj.load_state_dict(st["stateful"][name])
+        self.guard.load_state_dict(st["nonfinite"])
+        self.result.history = list(st["history"])
+        self.result.accuracy_before = st.get("accuracy_before")
+        c.backend.sync_weights(c.model)
+        step = st["step"]
+        changed = changed_keys(st.get("config", {}), self.cfg.to_dict())
+        if changed:
+            self.progress.write(f"anabranch: warning: resuming with a config that differs from the checkpoint's in "
+                                f"{', '.join(changed)}: the run will not follow the trajectory it would have taken")
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            cut_log(self.run.path / name, step)
+        set_rng_state(st["rng"])  # last, so nothing above draws from the restored generators
+        self.last_saved_step = step
+        if step >= self.cfg.trainer.steps:
+            self.progress.write(f"resumed from {path} at step {step}, which already reaches "
+                                f"trainer.steps={self.cfg.trainer.steps}: no step left to train "
+                                f"(raise trainer.steps to train longer)")
+        else:
+            self.progress.write(f"resumed from {path}: continuing at step {step + 1} of {self.cfg.trainer.steps}")
+        return step
+
+    # ------------------------------------------------------------------ after each step
+    def observe(self, step: int, metrics: dict) -> None:
+        """Count non-finite steps into ``metrics`` and warn about them."""
+        warning = self.guard.observe(step, metrics)
+        if warning:
+            self.progress.write(f"anabranch: warning: {warning}")
+
+    def after_step(self, step: int) -> None:
+        """Periodic save; on too many non-finite steps or a signal, save and raise :class:`RunStopped`."""
+        every = self.cfg.trainer.save_every
+        if every and step % every == 0:
+            self.save(step)
+        if self.guard.should_stop:
+            path = self._save_once(step)
+            self._close()
+            raise RunStopped(f"{self.guard.stop_message(step)}\nlast checkpoint: {path}", path, exit_code=3)
+        if self.stop.requested:
+            path = self._save_once(step)
+            name = signal.Signals(self.stop.signum).name
+            self._close()
+            raise RunStopped(f"stopped by {name} after step {step}; checkpoint: {path}\n"
+                             f"resume with:\n  {resume_command(self.cfg, self.run.path)}",
+                             path, exit_code=128 + self.stop.signum)
+
+    def _close(self) -> None:
+        self.progress.close()
+        self.run.close()
+
+    def _save_once(self, step: int) -> Path:
+        if self.last_saved_step != step:
+            self.save(step)
+        return self.run.path / "checkpoints" / f"step-{step:06d}"

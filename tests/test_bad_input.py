@@ -1,0 +1,118 @@
+"""Bad input gives one clear error naming what is wrong and how to fix it, before any model is
+loaded. (Already covered elsewhere: negative lr, unknown keys and types in test_config.py; missing
+file, missing column, empty file, tokenizer without a chat template in test_data.py; n < 2 for
+group advantages in test_train_e2e.py; unknown algorithm in test_grpo_math.py.)"""
+
+import json
+import logging
+import time
+
+import pytest
+
+from anabranch import load_config, train
+from anabranch.config import ConfigError, TaskConfig
+from anabranch.data.files import DataError
+from anabranch.data.tasks import load_task
+
+from test_train_e2e import tiny_overrides
+
+
+def file_cfg(path, **kw):
+    return TaskConfig(name="file", path=path, eval_size=1, **kw)
+
+
+def good(i):
+    return json.dumps({"prompt": f"Q{i}", "answer": str(i)})
+
+
+def test_invalid_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([good(0), good(1), '{"prompt": "Q2", "answer": ', good(3)]) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl line 3 is not valid JSON.*task\.skip_bad_rows=true"):
+        load_task(file_cfg(str(path)))
+
+
+def test_non_object_json_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([good(0), "[1, 2]", good(2)]) + "\n")
+    with pytest.raises(DataError, match=r"line 2 is a JSON list, not an object"):
+        load_task(file_cfg(str(path)))
+
+
+@pytest.mark.parametrize("bad_row,why", [
+    ({"prompt": None, "answer": "1"}, "empty or non-text prompt"),
+    ({"prompt": "   ", "answer": "1"}, "empty or non-text prompt"),
+    ({"prompt": [{"role": "user"}], "answer": "1"}, "not chat messages"),
+    ({"question": "Q", "answer": "1"}, "no column 'prompt'"),
+])
+def test_malformed_row_names_its_number(write_jsonl, bad_row, why):
+    path = write_jsonl([{"prompt": "Q0", "answer": "0"}, {"prompt": "Q1", "answer": "1"}, bad_row])
+    with pytest.raises(DataError, match=rf"row 3 .*{why}"):
+        load_task(file_cfg(path))
+
+
+def test_skip_bad_rows_skips_and_counts(tmp_path, caplog):
+    path = tmp_path / "d.jsonl"
+    lines = [good(0), "not json", good(2), json.dumps({"prompt": "", "answer": "3"}), good(4), good(5)]
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        train_rows, held = load_task(file_cfg(str(path), skip_bad_rows=True))
+    assert [r["answer"] for r in train_rows + held] == ["0", "2", "4", "5"]
+    text = caplog.text
+    assert "skipped 1 malformed rows" in text and "lines: 2" in text  # bad JSON, by line
+    assert "rows: 3" in text  # the empty prompt, by row among the parsed rows
+
+
+def run_build(tiny_model_dir, write_jsonl, tmp_path, **extra):
+    data = write_jsonl([{"prompt": f"Q{i}", "answer": "7"} for i in range(8)])
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **extra))
+    from anabranch.trainer.components import build
+
+    return build(cfg)
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "./missing-model", "~/no/such/dir/model"])
+def test_missing_local_model_path_fails_fast(write_jsonl, tmp_path, path, monkeypatch):
+    import anabranch.trainer.components as components
+
+    def never(*a, **k):
+        raise AssertionError("nothing may be loaded before model.path is checked")
+
+    monkeypatch.setattr(components, "load_model", never)
+    monkeypatch.setattr(components, "load_tokenizer", never)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"model\.path=.*no such folder.*Hub id"):
+        run_build(path, write_jsonl, tmp_path)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_folder_without_config_json(write_jsonl, tmp_path):
+    (tmp_path / "empty_model").mkdir()
+    with pytest.raises(ConfigError, match="without config.json"):
+        run_build(str(tmp_path / "empty_model"), write_jsonl, tmp_path)
+
+
+def test_prompt_longer_than_model_context(tiny_model_dir, write_jsonl, tmp_path):
+    # The tiny model has 1024 positions; max_prompt_tokens allows the prompt, the context does not.
+    data = write_jsonl([{"prompt": "x" * 1000, "answer": "7"}] + [{"prompt": "Q", "answer": "7"}] * 4)
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{
+        "task.max_prompt_tokens": 4096, "rollout.max_new_tokens": 64}))
+    with pytest.raises(ConfigError, match=r"model's context is 1024.*rollout\.max_new_tokens"):
+        train(cfg)
+
+
+def test_prompt_longer_than_max_prompt_tokens(tiny_model_dir, write_jsonl, tmp_path):
+    data = write_jsonl([{"prompt": "x" * 100, "answer": "7"}] + [{"prompt": "Q", "answer": "7"}] * 4)
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{"task.max_prompt_tokens": 50}))
+    with pytest.raises(ConfigError, match=r"task\.max_prompt_tokens=50"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("item,key", [
+    ("trainer.keep_last=-1", "trainer.keep_last"),
+    ("trainer.max_nonfinite_in_a_row=0", "trainer.max_nonfinite_in_a_row"),
+    ("trainer.save_every=-2", "trainer.save_every"),
+])
+def test_bad_reliability_values(item, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [item])
