@@ -64,11 +64,9 @@ def answers_equivalent(a: str | None, b: str | None) -> bool:
         return True
     from math_verify import verify
 
-    pa, pb = _parse_gold(str(a)), _parse_gold(str(b))
-    if not pa or not pb:
-        return False
-    kwargs = {} if threading.current_thread() is threading.main_thread() else {"timeout_seconds": None}
     try:
-        return bool(verify(pa, pb, **kwargs))
-    except Exception:  # math-verify raises on some exotic expressions: treat as different
+        with time_limit(TIMEOUT_S):
+            pa, pb = _parse_gold(str(a)), _parse_gold(str(b))
+            return bool(pa and pb and verify(pa, pb, timeout_seconds=None))
+    except (Exception, TimeLimitExceeded):  # math-verify raises on some exotic expressions
         return False

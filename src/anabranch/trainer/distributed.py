@@ -159,7 +159,7 @@ class Distributed:
 
     # ------------------------------------------------------------------ splitting
 
-    def sharded(self, sampler):
+    def rank_sampler(self, sampler):
         """A view of ``sampler`` whose ``next(k)`` gives this rank's share of the k prompts."""
         return sampler if self.world_size == 1 else _ShardedSampler(sampler, self)
 

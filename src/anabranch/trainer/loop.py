@@ -85,7 +85,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     for step in range(start + 1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
         # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-        batch = collect_batch(c, dist.sharded(sampler), cfg)
+        batch = collect_batch(c, dist.rank_sampler(sampler), cfg)
         rollout, rows, total, per_source, rewards = batch.rollout, batch.rows, batch.total, batch.per_source, batch.rewards
         t_gen = batch.t_generate
         train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
