@@ -57,7 +57,9 @@ def test_nan_streak_skips_updates_then_stops_with_last_good_checkpoint(tiny_mode
     CALLS["n"], NAN_FROM_CALL["n"] = 0, 2  # step 1 fine, steps 2 and 3 NaN
     cfg = cfg_for(tiny_model_dir, data, tmp_path, **{"reward.functions": "[test_nan_from_call]",
                                                        "trainer.steps": 6, "trainer.save_every": 1,
-                                                       "trainer.max_nonfinite_in_a_row": 2})
+                                                       "trainer.max_nonfinite_in_a_row": 2,
+                                                       # in-process, so the call counter above is shared
+                                                       "reward.isolation": "none"})
     with pytest.raises(RunStopped) as e:
         train(cfg)
     assert e.value.exit_code == 3
