@@ -126,3 +126,13 @@ def test_model_collapse_step():
     assert rising["collapse_step"] is None and rising["peak_step"] == 50
     with pytest.raises(ValueError):
         model_collapse_step([1], [0.1], margin=0)
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("so the sum is 7", "7"), ("7.0", "7"), ("the answer is 14/2", "7"), ("\\boxed{1,000}", "1000"),
+    ("\\boxed{0.5}", "0.5"), ("Answer: x+1", "x+1"), ("no answer here", None), ("", None),
+])
+def test_canonical_final_answers_merge_equal_numbers(completion, expected):
+    from anabranch.eval.answers import extract_answer
+
+    assert extract_answer(completion) == expected

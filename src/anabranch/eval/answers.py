@@ -1,30 +1,36 @@
 """The final answer of a completion, as a canonical string for voting and counting.
 
-math-verify extracts it (a ``\\boxed{}`` answer first, else the last number or expression); equal
-numbers written differently ("7", "7.0", "14/2") map to the same string.
+The answer is found by :func:`anabranch.rewards.extract.extract_answer` (``\\boxed{}``, an
+``<answer>`` tag, an "Answer:" line, else the last number: linear time on any text, so it is safe
+to call on every rollout inside the training step), then numbers are canonicalized so that equal
+values written differently ("7", "7.0", "14/2", "1,000" and "1000") count as one answer.
 """
 
 from __future__ import annotations
 
 import math
-import threading
+from fractions import Fraction
+
+from anabranch.rewards.extract import extract_answer as _extract
+
+
+def canonical_number(text: str) -> str | None:
+    """``text`` as a canonical number string if it is a plain number or fraction, else ``None``."""
+    s = text.strip().strip("$").replace(",", "").replace(" ", "")
+    if not s or len(s) > 64:
+        return None
+    try:
+        value = Fraction(s)  # "14/2", "-3", "0.5", "1e3"
+    except (ValueError, ZeroDivisionError):
+        return None
+    if value.denominator == 1:
+        return str(value.numerator)
+    number = float(value)
+    return repr(number) if math.isfinite(number) else None
 
 
 def extract_answer(completion: str) -> str | None:
-    from math_verify import parse
-
-    kwargs = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
-    try:
-        parsed = parse(completion, **kwargs)
-    except Exception:  # an unparseable completion simply has no answer
+    raw = _extract(completion)
+    if raw is None:
         return None
-    if not parsed:
-        return None
-    value = parsed[0]
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value).strip() or None
-    if math.isfinite(number) and number == int(number):
-        return str(int(number))
-    return str(value)
+    return canonical_number(raw) or raw.strip() or None
