@@ -1,0 +1,241 @@
+"""Building a :class:`~anabranch.config.Config`: YAML files, dotted ``key=value`` overrides, type
+checks with "did you mean" suggestions, and range validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from anabranch.config import Config, ConfigError, RewardFunctionConfig
+
+# --------------------------------------------------------------------------- building
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- ``key=value`` overrides, validated."""
+    data: dict = {}
+    if path is not None:
+        data = read_yaml(path)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(data, key, value)
+    cfg = from_dict(Config, data, prefix="")
+    # Resolve the recipe now, knowing which algorithm keys the user set, so that an explicit value
+    # wins even when it equals the default and config.yaml records what actually runs.
+    from anabranch.algorithms.resolve import apply_recipe
+
+    cfg.algorithm = apply_recipe(cfg.algorithm, explicit=set(data.get("algorithm") or {}))
+    validate(cfg)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (for example rollout.n=8)")
+    key, _, raw = item.partition("=")
+    key = key.strip().lstrip("-")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every settable dotted key (leaves only)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], prefix + f.name + "."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def closest_key(key: str) -> str | None:
+    valid = all_keys(Config)
+    section, _, leaf = key.rpartition(".")
+    same_section = [k for k in valid if k.rpartition(".")[0] == section]
+    leaves = {k.rpartition(".")[2]: k for k in same_section}
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.5)
+    if close:
+        return leaves[close[0]]
+    # A leaf in another section ("lr" -> "trainer.lr"), else anything alike.
+    exact = [k for k in valid if k.rpartition(".")[2] == leaf]
+    if exact:
+        return exact[0]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = closest_key(key)
+    hint = f" Did you mean {close!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint}")
+
+
+def from_dict(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key(prefix + str(key))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = coerce(hints[f.name], data[f.name], prefix + f.name)
+    return cls(**kwargs)
+
+
+def coerce(tp, value: Any, key: str):
+    """Check ``value`` against the annotation ``tp``; convert where it is lossless."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(inner[0], value, key)
+    if key == "reward.functions":
+        return [coerce_reward_function(v, f"{key}[{i}]") for i, v in enumerate(_as_list(value, key))]
+    if tp is list or origin is list:
+        return _as_list(value, key)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} expects a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} expects true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key {key!r} expects an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-5" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"config key {key!r} expects a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
+    return value
+
+
+def _as_list(value: Any, key: str) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+
+
+def coerce_reward_function(value: Any, key: str) -> RewardFunctionConfig:
+    """``reward.functions`` items: a name, ``name:weight`` or a mapping."""
+    if isinstance(value, RewardFunctionConfig):
+        return value
+    if isinstance(value, str):
+        name, weight = value, 1.0
+        # "math_verify*0.5" sets a weight; "pkg.mod:fn" stays a user function spec.
+        if "*" in value:
+            name, _, w = value.rpartition("*")
+            weight = coerce(float, w, key + ".weight")
+        return RewardFunctionConfig(name=name, weight=weight)
+    return from_dict(RewardFunctionConfig, value, key + ".")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that need no imports of heavy modules."""
+    checks = [
+        (cfg.trainer.lr > 0, "trainer.lr", "must be positive"),
+        (cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0"),
+        (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1"),
+        (cfg.rollout.n >= 1, "rollout.n", "must be >= 1"),
+        (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
+        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
+        (cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0"),
+        (0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
+        (cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0"),
+        (cfg.task.train_size >= 1, "task.train_size", "must be >= 1"),
+        (cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
+         "must be one of float32, bfloat16, float16"),
+        (cfg.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1"),
+        (cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0"),
+        (cfg.trainer.collapse_margin > 0, "trainer.collapse_margin", "must be > 0"),
+        (cfg.reward.timeout_s > 0, "reward.timeout_s", "must be positive"),
+        (cfg.reward.isolation in ("process", "thread", "none"), "reward.isolation",
+         "must be one of process, thread, none"),
+        (cfg.model.lora.r >= 0, "model.lora.r", "must be >= 0 (0 disables LoRA)"),
+        (cfg.distributed.num_processes >= 1, "distributed.num_processes", "must be >= 1"),
+        (cfg.distributed.mixed_precision in ("no", "bf16", "fp16"), "distributed.mixed_precision",
+         "must be one of no, bf16, fp16"),
+        (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
+        (cfg.trainer.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 keeps every checkpoint)"),
+        (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),
+        (cfg.trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no periodic checkpoints)"),
+        (cfg.trainer.resume != "auto" or bool(cfg.trainer.run_name), "trainer.resume",
+         "=auto needs a fixed trainer.run_name (the default name has a timestamp, so a new run "
+         "would never find the old checkpoints); set trainer.run_name=NAME"),
+    ]
+    for ok, key, why in checks:
+        if not ok:
+            raise ConfigError(f"config key {key!r} {why} (got {_get(cfg, key)!r})")
+
+
+def _get(cfg: Config, key: str):
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
