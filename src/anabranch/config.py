@@ -88,6 +88,9 @@ class AlgorithmConfig:
     # Passes over each rollout batch; with 1 the old log-probs equal the current ones.
     ppo_epochs: int = 1
     entropy_coef: float = 0.0
+    # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
+    # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
+    tis_cap: float = 0.0
 
 
 @dataclass
@@ -115,6 +118,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # Sequences per forward/backward; gradients are accumulated over the step's batch.
     micro_batch_size: int = 16
+    # When > 0, micro-batches are packed by length to at most this many (padded) tokens each and
+    # micro_batch_size is ignored; padding shared by a micro-batch is cut (trainer/microbatch.py).
+    micro_batch_tokens: int = 0
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0

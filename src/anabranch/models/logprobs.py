@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from anabranch.models.chunked_logprobs import backbone_hidden, chunked_response_stats, supports_chunked_head
+
 
 @dataclass
 class ForwardOut:
@@ -27,8 +29,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                      temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
-                     hidden: bool = False, chunk_rows: int = 4) -> ForwardOut:
-    """Forward ``[prompt | response]`` sequences; return log π(response tokens)."""
+                     hidden: bool = False, chunk_rows: int = 4, lean: bool = True) -> ForwardOut:
+    """Forward ``[prompt | response]`` sequences; return log π(response tokens).
+
+    With ``lean`` (and a model whose logits are a plain linear head) the backbone runs alone and the
+    head is applied per chunk of rows under checkpointing (:mod:`anabranch.models.chunked_logprobs`).
+    """
+    if lean and supports_chunked_head(model):
+        position_ids = position_ids_from_mask(attention_mask)
+        h = backbone_hidden(model, input_ids, attention_mask, position_ids)
+        lp, ent = chunked_response_stats(h[:, -response_len - 1:-1], model.get_output_embeddings(),
+                                         input_ids[:, -response_len:], temperature, entropy, entropy_grad,
+                                         chunk_rows)
+        return ForwardOut(log_probs=lp, entropy=ent, hidden=h if hidden else None)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -69,7 +69,7 @@ def train(cfg: Config) -> TrainResult:
             c.model, c.optimizer, rollout, advantages, rewards, c.algo,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
             temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
-            ref_model=c.ref_model, modules=c.modules,
+            ref_model=c.ref_model, modules=c.modules, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
         scheduler.step()
         c.backend.sync_weights(c.model)

@@ -19,6 +19,8 @@ from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.logprobs import response_forward
 from anabranch.rollout.base import Rollout
+from anabranch.rollout.importance import sampler_correction
+from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
 
 
 @dataclass
@@ -41,17 +43,24 @@ def micro_batches(batch_size: int, micro: int) -> list[slice]:
 
 
 @torch.no_grad()
-def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float) -> torch.Tensor:
+def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float, plan=None) -> torch.Tensor:
     ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1]
-    out = [response_forward(model, ids[s], mask[s], width, temperature).log_probs
-           for s in micro_batches(ids.shape[0], micro)]
-    return torch.cat(out)
+    if plan is None:
+        out = [response_forward(model, ids[s], mask[s], width, temperature).log_probs
+               for s in micro_batches(ids.shape[0], micro)]
+        return torch.cat(out)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    full = torch.zeros(ids.shape[0], width, device=device)
+    for mb in plan:
+        full[mb.rows.to(device)] = forward_micro_batch(model, mb, ids, mask, temperature).log_probs
+    return full
 
 
 def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, rewards: torch.Tensor,
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
-                  params: list | None = None) -> dict[str, float]:
+                  params: list | None = None, micro_batch_tokens: int = 0) -> dict[str, float]:
     cfg = algo.cfg
     device = next(model.parameters()).device
     rollout_ids = rollout.input_ids.to(device)
@@ -63,13 +72,14 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                        max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
+    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens)
     ref_lp = None
     if "ref_log_prob" in algo.needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
-        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature)
+        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature, plan)
     # With one pass over the batch, π_old = π_θ exactly, so that forward pass is skipped.
-    old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature) if "old_log_prob" in algo.needs else None
+    old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan) if "old_log_prob" in algo.needs else None
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
     if params is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -78,16 +88,20 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     skipped = 0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        for sl in micro_batches(rollout_ids.shape[0], micro_batch_size):
-            fo = response_forward(model, rollout_ids[sl], rollout_mask[sl], width, temperature,
-                                  entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
+        for mb in plan:  # fixed-size in input order, or packed by token budget (trainer/microbatch.py)
+            sl = mb.rows.to(device)
+            fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature,
+                                     entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
             m = resp_mask[sl]
             ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
-                              entropy=fo.entropy, hidden=fo.hidden, rewards=rewards[sl].to(device),
-                              group_index=rollout.group_index[sl].to(device),
-                              prompt_mask=rollout.prompt_mask[sl].to(device), modules=modules or {})
+                              entropy=fo.entropy, hidden=fo.hidden, rewards=rewards.to(device)[sl],
+                              group_index=rollout.group_index[mb.rows].to(device),
+                              prompt_mask=rollout.prompt_mask[mb.rows].to(device), modules=modules or {})
             old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
-            loss, metrics = algo.objective(fo.log_probs, old, advantages[sl], m, ctx)
+            sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows]
+            adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap)
+            loss, metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
+            metrics.update(mismatch)
             if ref_lp is not None and cfg.kl_coef > 0:
                 kl = kl_penalty(fo.log_probs, ref_lp[sl], cfg.kl_estimator)
                 loss = loss + cfg.kl_coef * agg(kl, m)
