@@ -68,6 +68,11 @@ class RolloutConfig:
     top_k: int = 0
     # Sequences generated together in one `generate` call (0: all of a step at once).
     generation_batch_size: int = 0
+    # Responses are at least this long (EOS suppressed before); = max_new_tokens fixes the length.
+    min_new_tokens: int = 0
+    # backend=vllm only: the engine's context length, and its share of GPU memory on CUDA.
+    vllm_max_model_len: int = 2048
+    vllm_gpu_memory_utilization: float = 0.3
 
 
 @dataclass
