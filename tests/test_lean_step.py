@@ -43,10 +43,10 @@ def test_chunked_head_equals_full_log_softmax_values_entropy_and_gradients(model
     assert supports_chunked_head(model)
     ro = _rollout(model.config.vocab_size)
     ids, mask, R = ro.input_ids, ro.attention_mask, ro.response_ids.shape[1]
-    for temperature in (1.0, 0.7):
+    for temperature, budget in ((1.0, 0), (0.7, 0), (0.7, 2**30)):  # recomputed, and kept, logits
         model.zero_grad()
         lean = response_forward(model, ids, mask, R, temperature, entropy=True, entropy_grad=True,
-                                chunk_rows=4, lean=True)
+                                chunk_rows=4, lean=True, logits_budget_bytes=budget)
         (lean.log_probs.sum() + lean.entropy.sum()).backward()
         g_lean = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
@@ -91,7 +91,8 @@ def test_lean_forward_backward_never_holds_whole_batch_logits(model):
     for lean, bound_ok in ((True, lambda n: n <= 2 * R * V), (False, lambda n: n >= B * R * V)):
         rec = _LargestTensor(V, model.config.hidden_size)
         with rec:
-            out = response_forward(model, ids, mask, R, entropy=True, chunk_rows=2, lean=lean)
+            out = response_forward(model, ids, mask, R, entropy=True, chunk_rows=2, lean=lean,
+                                   logits_budget_bytes=0)
             out.log_probs.sum().backward()
         model.zero_grad()
         assert bound_ok(rec.largest), (lean, rec.largest, B * R * V)

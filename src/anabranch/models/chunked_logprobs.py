@@ -12,6 +12,11 @@ the backward pass: at no point does a float copy of the whole batch's vocabulary
 Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"). The price is a second
 LM-head matmul per chunk in the backward pass.
 
+Recomputation costs one more LM-head matmul per token (for a model whose head is a large share
+of its FLOPs, such as a 16M-parameter model with a 49k vocabulary, about a quarter of the update),
+so :func:`anabranch.models.logprobs.response_forward` uses it only when a micro-batch's logits
+would exceed a byte budget (``logits_budget_bytes``); below it the chunk logits are kept.
+
 Models whose logits are not a plain linear map of the last hidden state (soft-capping, logit
 scales) are not supported here; :func:`supports_chunked_head` says so and callers fall back.
 """
@@ -51,10 +56,14 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def chunked_response_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
                            temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
-                           chunk_rows: int = 4) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (and entropies) of ``targets`` [B, R] given the hidden states [B, R, H] that predict them."""
+                           chunk_rows: int = 4, recompute: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of ``targets`` [B, R] given the hidden states [B, R, H] that predict them.
+
+    ``recompute=False`` skips the checkpointing: autograd then keeps each chunk's logits for the
+    backward pass (as much memory as unchunked logits, one LM-head matmul less).
+    """
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    use_ckpt = recompute and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_rows):
         args = (hidden[start:start + chunk_rows], head.weight, head.bias, targets[start:start + chunk_rows],

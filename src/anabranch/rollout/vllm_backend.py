@@ -76,7 +76,14 @@ class VLLMBackend:
         if device.type == "cuda":
             kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
         kwargs.update(engine_kwargs)
-        self.llm = LLM(**kwargs)
+        # The in-process CPU worker drops torch to 1 thread and disables torch.set_num_threads;
+        # the trainer shares this process, so its thread count and that function are restored.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
         self.sync_weights(model)  # the engine starts from exactly the trainer's weights
 
     @torch.no_grad()
