@@ -39,6 +39,7 @@ class RunResult:
     system: str
     backend: str
     step_s: list = field(default_factory=list)
+    cpu_s: list = field(default_factory=list)  # CPU time of the process per step (robust to a busy machine)
     generate_s: list = field(default_factory=list)
     update_s: list = field(default_factory=list)
     generated_tokens: int = 0     # per step
@@ -49,6 +50,11 @@ class RunResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def cpu_time() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def peak_rss_mib() -> float:
@@ -149,10 +155,11 @@ class AnabranchRunner:
         res = RunResult("anabranch", self.backend_name, startup_s=self.startup_s)
         for i in range(w.warmup + w.steps):
             sl = slice(i * w.prompts_per_step, (i + 1) * w.prompts_per_step)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_time()
             ro, t_gen, t_upd = self.step(prompts[sl], answers[sl])
             if i >= w.warmup:
                 res.step_s.append(time.perf_counter() - t0)
+                res.cpu_s.append(cpu_time() - c0)
                 res.generate_s.append(t_gen)
                 res.update_s.append(t_upd)
         res.generated_tokens = int(ro.response_mask.sum())
@@ -207,15 +214,16 @@ def run_trl(w: Workload) -> RunResult:
         return out
 
     trainer._generate = timed_generate
-    starts: list[float] = []
+    starts: list[tuple[float, float]] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
-            starts.append(time.perf_counter())
+            starts.append((time.perf_counter(), cpu_time()))
 
         def on_step_end(self, state_args, state, *_a, **_k):
             if state.global_step > w.warmup:
-                res.step_s.append(time.perf_counter() - starts[-1])
+                res.step_s.append(time.perf_counter() - starts[-1][0])
+                res.cpu_s.append(cpu_time() - starts[-1][1])
 
     trainer.add_callback(Clock())
     torch.set_num_threads(w.threads)
@@ -271,7 +279,7 @@ def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int,
 def summarize(r: RunResult) -> dict:
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     step = mean(r.step_s)
-    return {"s/step": step, "gen s": mean(r.generate_s), "update s": mean(r.update_s),
+    return {"s/step": step, "cpu s/step": mean(r.cpu_s), "gen s": mean(r.generate_s), "update s": mean(r.update_s),
             "gen tok/s (rollout)": r.generated_tokens / max(mean(r.generate_s), 1e-9),
             "gen tok/s (step)": r.generated_tokens / max(step, 1e-9),
             "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}

@@ -72,6 +72,7 @@ def merge(results: list[RunResult]) -> RunResult:
     out = results[0]
     for r in results[1:]:
         out.step_s += r.step_s
+        out.cpu_s += r.cpu_s
         out.generate_s += r.generate_s
         out.update_s += r.update_s
         out.peak_rss_mib = max(out.peak_rss_mib, r.peak_rss_mib)
@@ -107,8 +108,10 @@ def main() -> None:
         print(f"{key:24}" + "".join(f"{table[s].get(key, float('nan')):>14.3f}" for s in table))
     if "trl" in table:
         ratio = table["trl"]["s/step"] / table["anabranch"]["s/step"]
-        print(f"\nTRL s/step / anabranch s/step = {ratio:.2f}x")
+        cpu_ratio = table["trl"]["cpu s/step"] / table["anabranch"]["cpu s/step"]
+        print(f"\nTRL s/step / anabranch s/step = {ratio:.2f}x (CPU time: {cpu_ratio:.2f}x)")
         table["ratio_trl_over_anabranch"] = ratio
+        table["cpu_ratio_trl_over_anabranch"] = cpu_ratio
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "peak_gflops": peak, "table": table,
                                                "runs": {k: asdict(v) for k, v in merged.items()}}, indent=1))

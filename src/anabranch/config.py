@@ -73,6 +73,8 @@ class RolloutConfig:
     # backend=vllm only: the engine's context length, and its share of GPU memory on CUDA.
     vllm_max_model_len: int = 2048
     vllm_gpu_memory_utilization: float = 0.3
+    # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
+    vllm_cpu_kv_cache_mib: int = 512
 
 
 @dataclass

@@ -11,8 +11,9 @@ The engine's log-probabilities of the sampled tokens (after temperature, ``proce
 are returned as ``Rollout.sample_log_probs``; the trainer reports their mismatch with its own and
 can correct for it (``algorithm.tis_cap``, see :mod:`anabranch.rollout.importance`).
 
-On CPU set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` (for example ``0-1``);
-defaults are filled in below when unset. The engine core runs in this process
+On CPU the KV cache is ``rollout.vllm_cpu_kv_cache_mib`` (unless ``VLLM_CPU_KVCACHE_SPACE``, in GiB,
+is set) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
+``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights move by reference, not through a socket.
 """
 
@@ -38,7 +39,6 @@ def vllm_available() -> bool:
 def _set_engine_env(device: torch.device) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if device.type == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(torch.get_num_threads(), 1) - 1}")
 
 
@@ -75,6 +75,8 @@ class VLLMBackend:
                       seed=0, enforce_eager=True)
         if device.type == "cuda":
             kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs["kv_cache_memory_bytes"] = cfg.vllm_cpu_kv_cache_mib * 2**20
         kwargs.update(engine_kwargs)
         # The in-process CPU worker drops torch to 1 thread and disables torch.set_num_threads;
         # the trainer shares this process, so its thread count and that function are restored.
