@@ -65,3 +65,21 @@ def test_sampling_log_probs_match_the_trainer(engine_and_model):
     m = ro.response_mask.bool()
     assert (ro.sample_log_probs[m] < 0).all()
     assert torch.allclose(ro.sample_log_probs[m], lp[m], atol=1e-3)
+
+
+def test_trainer_reports_the_mismatch_and_applies_tis(engine_and_model):
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import AlgorithmConfig
+    from anabranch.trainer.step import policy_update
+
+    engine, model, tok, cfg = engine_and_model
+    engine.sync_weights(model)
+    ro = engine.generate(PROMPTS[:2], 2, seed=2)
+    algo = resolve_algorithm(AlgorithmConfig(tis_cap=2.0))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = policy_update(model, opt, ro, adv, rewards, algo, micro_batch_size=4, grad_clip=1.0,
+                            temperature=cfg.temperature, max_response_len=cfg.max_new_tokens)
+    assert 0 <= metrics["mismatch/abs_mean"] < 1e-3
+    assert metrics["mismatch/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
