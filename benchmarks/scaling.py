@@ -33,14 +33,16 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     args = ap.parse_args()
     set_thread_env(args.threads)
+    ns = [int(n) for n in args.ns.split(",") if n]
+    lengths = [int(t) for t in args.lengths.split(",") if t]
     w = Workload(model=model_folder(args.model), prompts_per_step=args.prompts, threads=args.threads,
-                 tokens=max(int(t) for t in args.lengths.split(",")), micro_batch_tokens=args.micro_batch_tokens)
+                 tokens=max(lengths + [args.n_tokens]), micro_batch_tokens=args.micro_batch_tokens)
     runner = AnabranchRunner(w, args.backend)
     prompts, answers = arithmetic_prompts(runner.tok, args.prompts * (args.steps + 1))
-    settings = [(int(n), args.n_tokens) for n in args.ns.split(",")]
-    settings += [(args.length_n, int(t)) for t in args.lengths.split(",")]
+    settings = [(n, args.n_tokens) for n in ns] + [(args.length_n, t) for t in lengths]
     print(f"model {args.model}, backend {args.backend}, {args.prompts} prompts, {args.threads} threads, fp32")
-    print(f"{'n':>4} {'tokens':>7} {'s/step':>8} {'gen s':>8} {'update s':>9} {'s/1k trained tok':>17}")
+    print(f"{'n':>4} {'tokens':>7} {'s/step':>8} {'gen s':>8} {'update s':>9} {'gen tok/s':>10} "
+          f"{'s/1k trained tok':>17}")
     for n, tokens in settings:
         times = []
         for i in range(args.steps + 1):
@@ -51,8 +53,9 @@ def main() -> None:
         gen = sum(t for t, _ in times) / len(times)
         upd = sum(u for _, u in times) / len(times)
         trained = int(ro.attention_mask.sum())
-        print(f"{n:>4} {tokens:>7} {gen + upd:>8.2f} {gen:>8.2f} {upd:>9.2f} {1000 * (gen + upd) / trained:>17.3f}",
-              flush=True)
+        rate = int(ro.response_mask.sum()) / gen
+        print(f"{n:>4} {tokens:>7} {gen + upd:>8.2f} {gen:>8.2f} {upd:>9.2f} {rate:>10.1f} "
+              f"{1000 * (gen + upd) / trained:>17.3f}", flush=True)
 
 
 if __name__ == "__main__":
