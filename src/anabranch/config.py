@@ -81,6 +81,13 @@ class RolloutConfig:
     top_k: int = 0
     # Sequences generated together in one `generate` call (0: all of a step at once).
     generation_batch_size: int = 0
+    # Responses are at least this long (EOS suppressed before); = max_new_tokens fixes the length.
+    min_new_tokens: int = 0
+    # backend=vllm only: the engine's context length, and its share of GPU memory on CUDA.
+    vllm_max_model_len: int = 2048
+    vllm_gpu_memory_utilization: float = 0.3
+    # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
+    vllm_cpu_kv_cache_mib: int = 512
 
 
 @dataclass
@@ -172,6 +179,9 @@ class AlgorithmConfig:
     overlong_filter: bool = False
     # Used only by algorithm.name=flowrl (loss=flowrl).
     flowrl: FlowRLConfig = field(default_factory=FlowRLConfig)
+    # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
+    # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
+    tis_cap: float = 0.0
 
 
 @dataclass
@@ -208,6 +218,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # Sequences per forward/backward; gradients are accumulated over the step's batch.
     micro_batch_size: int = 16
+    # When > 0, micro-batches are packed by length to at most this many (padded) tokens each and
+    # micro_batch_size is ignored; padding shared by a micro-batch is cut (trainer/microbatch.py).
+    micro_batch_tokens: int = 0
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0

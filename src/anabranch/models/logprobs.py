@@ -12,6 +12,13 @@ from typing import Optional
 
 import torch
 
+from anabranch.models.chunked_logprobs import backbone_hidden, chunked_response_stats, supports_chunked_head
+
+
+# Above this many bytes of fp32 logits per micro-batch the LM head is recomputed in the backward
+# pass instead of keeping its logits (256 MiB: 16 sequences x 64 tokens x a 64k vocabulary).
+LOGITS_BUDGET_BYTES = 256 * 2**20
+
 
 @dataclass
 class ForwardOut:
@@ -27,8 +34,23 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                      temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
-                     hidden: bool = False, chunk_rows: int = 4) -> ForwardOut:
-    """Forward ``[prompt | response]`` sequences; return log π(response tokens)."""
+                     hidden: bool = False, chunk_rows: int = 4, lean: bool = True,
+                     logits_budget_bytes: int = LOGITS_BUDGET_BYTES) -> ForwardOut:
+    """Forward ``[prompt | response]`` sequences; return log π(response tokens).
+
+    With ``lean`` (and a model whose logits are a plain linear head) the backbone runs alone and the
+    head is applied per chunk of rows (:mod:`anabranch.models.chunked_logprobs`), recomputing the
+    chunk logits in the backward pass when the micro-batch's fp32 logits would exceed
+    ``logits_budget_bytes`` (so at most ``chunk_rows`` rows of logits exist at once).
+    """
+    if lean and supports_chunked_head(model):
+        position_ids = position_ids_from_mask(attention_mask)
+        h = backbone_hidden(model, input_ids, attention_mask, position_ids)
+        head = model.get_output_embeddings()
+        recompute = input_ids.shape[0] * response_len * head.out_features * 4 > logits_budget_bytes
+        lp, ent = chunked_response_stats(h[:, -response_len - 1:-1], head, input_ids[:, -response_len:],
+                                         temperature, entropy, entropy_grad, chunk_rows, recompute)
+        return ForwardOut(log_probs=lp, entropy=ent, hidden=h if hidden else None)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -44,7 +44,7 @@ class HFGenerateBackend:
         sample = not greedy and self.cfg.temperature > 0
         kwargs = dict(
             do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
-            eos_token_id=self.eos_ids, use_cache=True,
+            eos_token_id=self.eos_ids, use_cache=True, min_new_tokens=min(self.cfg.min_new_tokens, max_new) or None,
         )
         if getattr(self, "synced_gpus", False):  # set by the trainer for FSDP / ZeRO-3 (sharded weights)
             kwargs["synced_gpus"] = True

@@ -97,7 +97,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
             temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
             ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
-            dist=dist.active,
+            dist=dist.active, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
         scheduler.step()
         c.backend.sync_weights(c.model)

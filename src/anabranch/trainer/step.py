@@ -22,6 +22,8 @@ from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.logprobs import response_forward
 from anabranch.rollout.base import Rollout
+from anabranch.rollout.importance import sampler_correction
+from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
 
 
 @dataclass
@@ -56,19 +58,27 @@ def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None 
 
 
 @torch.no_grad()
-def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float) -> torch.Tensor:
+def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float, plan=None) -> torch.Tensor:
     ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1]
-    out = [response_forward(model, ids[s], mask[s], width, temperature).log_probs
-           for s in micro_batches(ids.shape[0], micro)]
-    return torch.cat(out)
+    if plan is None:
+        out = [response_forward(model, ids[s], mask[s], width, temperature).log_probs
+               for s in micro_batches(ids.shape[0], micro)]
+        return torch.cat(out)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    full = torch.zeros(ids.shape[0], width, device=device)
+    for mb in plan:
+        full[mb.rows.to(device)] = forward_micro_batch(model, mb, ids, mask, temperature).log_probs
+    return full
 
 
 def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, rewards: torch.Tensor,
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
                   params: list | None = None, precomputed: dict | None = None,
-                  kl_coef: float | None = None, dist=None) -> dict[str, float]:
-    """``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
+                  kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0) -> dict[str, float]:
+    """``micro_batch_tokens > 0`` packs micro-batches by a token budget (trainer/microbatch.py);
+    ``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
     values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL);
     ``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
     global batch's normalizers and the launcher's backward and gradient clipping."""
@@ -80,7 +90,6 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     rollout_mask = rollout.attention_mask.to(device)
     resp_mask = rollout.response_mask.to(device).float()
     advantages = advantages.to(device)
-    width = rollout.response_ids.shape[1]
     if dist is not None:
         scale = dist.batch_scale(resp_mask, max_response_len)
     else:
@@ -90,20 +99,21 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                            max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
-    ref_lp = None
+    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
+                              group_index=rollout.group_index)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
     elif "ref_log_prob" in algo.needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
-        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature)
+        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature, plan)
     # With one pass over the batch, π_old = π_θ exactly, so that forward pass is skipped.
     old_lp = pre.get("old_log_prob")
     if old_lp is not None:
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
-        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature)
+        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan)
     extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns")}
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
     if params is None:
@@ -114,17 +124,22 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch_loss = 0.0
-        for sl in micro_batches(rollout_ids.shape[0], micro_batch_size, rollout.group_index):
-            fo = response_forward(model, rollout_ids[sl], rollout_mask[sl], width, temperature,
-                                  entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
+        for mb in plan:  # fixed-size (whole groups) in input order, or packed by token budget
+            sl = mb.rows.to(device)
+            fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature,
+                                     entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
             m = resp_mask[sl]
             ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
-                              entropy=fo.entropy, hidden=fo.hidden, rewards=rewards[sl].to(device),
-                              group_index=rollout.group_index[sl].to(device),
-                              prompt_mask=rollout.prompt_mask[sl].to(device), modules=modules or {},
+                              entropy=fo.entropy, hidden=fo.hidden, rewards=rewards.to(device)[sl],
+                              group_index=rollout.group_index[mb.rows].to(device),
+                              prompt_mask=rollout.prompt_mask[mb.rows].to(device), modules=modules or {},
                               extras={k: v[sl] for k, v in extras.items()})
             old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
-            adv, metrics = shape_advantages(advantages[sl], fo.entropy, m, cfg)
+            sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows].to(device)
+            # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
+            adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap)
+            adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
+            metrics.update(mismatch)
             loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
             metrics.update(obj_metrics)
             for aux_loss in algo.aux_losses:

@@ -1,0 +1,292 @@
+"""Shared pieces of the benchmarks: models, prompts, the two GRPO runners, FLOPs and the matmul peak.
+
+A runner does ``warmup + steps`` GRPO steps (rollout → reward → advantage → one update) on the same
+prompts and returns per-step timings. Both sides get the same model files, prompts, n, completion
+length (min = max new tokens, so every completion has exactly that many tokens), reward function,
+AdamW settings and thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "packaged:smollm2-135m-instruct"
+LR = 1e-6
+
+
+@dataclass
+class Workload:
+    model: str             # a model folder
+    prompts_per_step: int = 4
+    n: int = 8
+    tokens: int = 64       # new tokens per completion, fixed (min = max)
+    warmup: int = 1
+    steps: int = 3
+    threads: int = 2
+    micro_batch_tokens: int = 8192  # anabranch's token budget per micro-batch
+
+
+@dataclass
+class RunResult:
+    system: str
+    backend: str
+    step_s: list = field(default_factory=list)
+    cpu_s: list = field(default_factory=list)  # CPU time of the process per step (robust to a busy machine)
+    generate_s: list = field(default_factory=list)
+    update_s: list = field(default_factory=list)
+    generated_tokens: int = 0     # per step
+    trained_tokens: int = 0       # per step: real (non-pad) prompt + response tokens
+    prompt_tokens: list = field(default_factory=list)  # per sequence of the last step
+    peak_rss_mib: float = 0.0
+    startup_s: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def cpu_time() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# --------------------------------------------------------------------------- models and prompts
+
+
+def tiny_qwen2(folder: str | Path) -> str:
+    """A random Qwen2 with 4 layers, hidden 256 and SmolLM2's tokenizer (16.5M parameters)."""
+    from anabranch.config import ModelConfig
+    from anabranch.models.loading import load_tokenizer
+    from anabranch.models.tiny import build_tiny_model
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        tok = load_tokenizer(ModelConfig(path=SMOLLM2))
+        build_tiny_model(folder, tokenizer=tok, arch="qwen2", hidden=256, layers=4, heads=4, kv_heads=2,
+                         intermediate=1024, seed=0)
+    return str(folder)
+
+
+def model_folder(name: str) -> str:
+    from anabranch.models.loading import resolve_model_path
+
+    if name == "tiny":
+        return tiny_qwen2(Path(tempfile.gettempdir()) / "anabranch-bench-tiny-qwen2")
+    if name == "smollm2":
+        return resolve_model_path(SMOLLM2)
+    return resolve_model_path(name)
+
+
+def arithmetic_prompts(tokenizer, count: int) -> tuple[list[str], list[str]]:
+    """``count`` basic_arithmetic questions in the chat template, and their answers."""
+    from anabranch.config import TaskConfig
+    from anabranch.data.prompts import build_prompt
+    from anabranch.data.tasks import load_task
+
+    cfg = TaskConfig(name="basic_arithmetic", train_size=count, eval_size=0, seed=0)
+    rows, _ = load_task(cfg)
+    rows = (rows * (count // max(len(rows), 1) + 1))[:count]
+    return [build_prompt(r, cfg, tokenizer) for r in rows], [str(r["answer"]) for r in rows]
+
+
+def contains_answer(completions: list[str], answers: list[str]) -> list[float]:
+    """The reward both systems use: 1 when the answer string occurs in the completion."""
+    return [float(a in c) for c, a in zip(completions, answers)]
+
+
+# --------------------------------------------------------------------------- anabranch
+
+
+class AnabranchRunner:
+    """anabranch's GRPO step, as in trainer/loop.py, with its timings."""
+
+    def __init__(self, w: Workload, backend: str):
+        from anabranch.algorithms.resolve import resolve_algorithm
+        from anabranch.config import AlgorithmConfig, ModelConfig, RolloutConfig
+        from anabranch.models.loading import load_model, load_tokenizer
+        from anabranch.rollout import ROLLOUT_BACKENDS
+
+        torch.set_num_threads(w.threads)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        self.w, self.backend_name = w, backend
+        self.tok = load_tokenizer(ModelConfig(path=w.model))
+        self.model = load_model(ModelConfig(path=w.model), torch.device("cpu"), trainable=True)
+        self.rollout_cfg = RolloutConfig(backend=backend, n=w.n, prompts_per_step=w.prompts_per_step,
+                                         max_new_tokens=w.tokens, min_new_tokens=w.tokens,
+                                         vllm_max_model_len=1024)
+        self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg)
+        self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.startup_s = time.perf_counter() - t0
+
+    def step(self, prompts: list[str], answers: list[str], n: int | None = None, tokens: int | None = None):
+        from anabranch.trainer.step import policy_update
+
+        n = n or self.w.n
+        tokens = tokens or self.w.tokens
+        self.rollout_cfg.min_new_tokens = tokens
+        t0 = time.perf_counter()
+        ro = self.backend.generate(prompts, n, max_new_tokens=tokens)
+        t1 = time.perf_counter()
+        rewards = torch.tensor(contains_answer(ro.completions, [answers[g] for g in ro.group_index.tolist()]))
+        adv = self.algo.advantage(rewards, ro.group_index, ro.response_mask.float(), self.algo.cfg)
+        policy_update(self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
+                      grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
+                      micro_batch_tokens=self.w.micro_batch_tokens)
+        self.backend.sync_weights(self.model)
+        t2 = time.perf_counter()
+        return ro, t1 - t0, t2 - t1
+
+    def run(self) -> RunResult:
+        w = self.w
+        prompts, answers = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
+        res = RunResult("anabranch", self.backend_name, startup_s=self.startup_s)
+        for i in range(w.warmup + w.steps):
+            sl = slice(i * w.prompts_per_step, (i + 1) * w.prompts_per_step)
+            t0, c0 = time.perf_counter(), cpu_time()
+            ro, t_gen, t_upd = self.step(prompts[sl], answers[sl])
+            if i >= w.warmup:
+                res.step_s.append(time.perf_counter() - t0)
+                res.cpu_s.append(cpu_time() - c0)
+                res.generate_s.append(t_gen)
+                res.update_s.append(t_upd)
+        res.generated_tokens = int(ro.response_mask.sum())
+        res.trained_tokens = int(ro.attention_mask.sum())
+        res.prompt_tokens = ro.prompt_mask.sum(-1).tolist()
+        res.peak_rss_mib = peak_rss_mib()
+        return res
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def run_trl(w: Workload) -> RunResult:
+    """TRL's GRPOTrainer on the same workload; `_generate` is wrapped to time the rollouts."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from anabranch.config import ModelConfig
+    from anabranch.models.loading import load_tokenizer
+
+    torch.set_num_threads(w.threads)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    tok = load_tokenizer(ModelConfig(path=w.model))
+    prompts, answers = arithmetic_prompts(tok, w.prompts_per_step * (w.warmup + w.steps))
+    by_prompt = dict(zip(prompts, answers))
+
+    def reward(prompts, completions, **_):
+        return contains_answer(completions, [by_prompt[p] for p in prompts])
+
+    model = AutoModelForCausalLM.from_pretrained(w.model, dtype=torch.float32)
+    out_dir = tempfile.mkdtemp(prefix="trl-bench-")
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=w.prompts_per_step * w.n, gradient_accumulation_steps=1,
+        num_generations=w.n, max_completion_length=w.tokens, generation_kwargs={"min_new_tokens": w.tokens},
+        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
+        max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch", max_steps=w.warmup + w.steps,
+        use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
+        shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    ds = Dataset.from_list([{"prompt": p} for p in prompts])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    res = RunResult("trl", "generate", startup_s=time.perf_counter() - t0)
+    gen_times: list[float] = []
+    inner = trainer._generate
+
+    def timed_generate(*a, **k):
+        s = time.perf_counter()
+        out = inner(*a, **k)
+        gen_times.append(time.perf_counter() - s)
+        return out
+
+    trainer._generate = timed_generate
+    starts: list[tuple[float, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            starts.append((time.perf_counter(), cpu_time()))
+
+        def on_step_end(self, state_args, state, *_a, **_k):
+            if state.global_step > w.warmup:
+                res.step_s.append(time.perf_counter() - starts[-1][0])
+                res.cpu_s.append(cpu_time() - starts[-1][1])
+
+    trainer.add_callback(Clock())
+    torch.set_num_threads(w.threads)
+    trainer.train()
+    res.generate_s = gen_times[w.warmup:]
+    res.update_s = [s - g for s, g in zip(res.step_s, res.generate_s)]
+    res.generated_tokens = w.prompts_per_step * w.n * w.tokens
+    plen = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts[-w.prompts_per_step:]]
+    res.trained_tokens = w.n * sum(plen) + res.generated_tokens
+    res.peak_rss_mib = peak_rss_mib()
+    return res
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def matmul_peak_gflops(threads: int, seconds: float = 3.0) -> float:
+    """Best fp32 GFLOP/s of square ``torch.mm`` on this machine with ``threads`` threads."""
+    torch.set_num_threads(threads)
+    best = 0.0
+    for size in (512, 1024, 2048):
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)
+        end = time.perf_counter() + seconds / 3
+        while time.perf_counter() < end:
+            s = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * size ** 3 / (time.perf_counter() - s) / 1e9)
+    return best
+
+
+def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int, n_layers_hidden=None) -> float:
+    """Model FLOPs of one forward+backward over the batch (the usual 6·N·T count, Kaplan et al. 2020).
+
+    6·N_body·T_all for the transformer body over every real token, 6·V·H·T_resp for the LM head at the
+    response positions (the only ones whose log-probs are used), and 6·L·H·S² per sequence of length S
+    for causal attention scores and values. Activation recomputation is not counted.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    h, v, layers, inter = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * head_dim
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    lengths = [p + response_tokens for p in prompt_tokens]
+    t_all = sum(lengths)
+    t_resp = response_tokens * len(prompt_tokens)
+    attn = sum(6 * layers * h * s * s for s in lengths)
+    return 6 * body * t_all + 6 * v * h * t_resp + attn
+
+
+def summarize(r: RunResult) -> dict:
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    step = mean(r.step_s)
+    return {"s/step": step, "cpu s/step": mean(r.cpu_s), "gen s": mean(r.generate_s), "update s": mean(r.update_s),
+            "gen tok/s (rollout)": r.generated_tokens / max(mean(r.generate_s), 1e-9),
+            "gen tok/s (step)": r.generated_tokens / max(step, 1e-9),
+            "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}
+
+
+def set_thread_env(threads: int) -> None:
+    """Before torch/vLLM start: the thread count the workers must use."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,121 @@
+"""anabranch GRPO vs TRL's GRPOTrainer on the same workload, alternating the two in one invocation.
+
+    python benchmarks/vs_trl.py --model tiny --backend hf            # W1 on the 16.5M random Qwen2
+    python benchmarks/vs_trl.py --model smollm2 --backend vllm      # W1 on SmolLM2, vLLM rollouts
+
+Each system runs in its own child process (so each has its own peak RSS), in the order
+anabranch, TRL, anabranch, TRL, ... for ``--rounds`` rounds; each child does ``--warmup`` untimed
+steps then ``--steps`` timed ones. The parent measures the fp32 matmul peak of this machine before
+and after (the best of both), prints seconds per step, generated and trained tokens per second,
+peak RSS, the TRL/anabranch ratio, and the model FLOP utilization of anabranch's update
+(forward + backward + optimizer) against that peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (  # noqa: E402
+    AnabranchRunner, RunResult, Workload, matmul_peak_gflops, model_folder, run_trl, set_thread_env, summarize,
+    update_flops,
+)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a model folder")
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="anabranch's rollout backend")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def worker(args) -> None:
+    w = Workload(model=args.model_dir, prompts_per_step=args.prompts, n=args.n, tokens=args.tokens,
+                 warmup=args.warmup, steps=args.steps, threads=args.threads,
+                 micro_batch_tokens=args.micro_batch_tokens)
+    res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
+    print("RESULT " + res.to_json(), flush=True)
+
+
+def child(args, system: str, model_dir: str) -> RunResult:
+    cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
+           "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{system} worker failed (exit {proc.returncode})")
+    return RunResult(**json.loads(lines[-1][len("RESULT "):]))
+
+
+def merge(results: list[RunResult]) -> RunResult:
+    out = results[0]
+    for r in results[1:]:
+        out.step_s += r.step_s
+        out.cpu_s += r.cpu_s
+        out.generate_s += r.generate_s
+        out.update_s += r.update_s
+        out.peak_rss_mib = max(out.peak_rss_mib, r.peak_rss_mib)
+    return out
+
+
+def main() -> None:
+    args = parse()
+    set_thread_env(args.threads)
+    if args.worker:
+        return worker(args)
+    model_dir = model_folder(args.model)
+    peak = matmul_peak_gflops(args.threads)
+    runs: dict[str, list[RunResult]] = {"anabranch": [], "trl": []}
+    systems = ["anabranch"] + ([] if args.skip_trl else ["trl"])
+    for r in range(args.rounds):
+        for system in systems if r % 2 == 0 else systems[::-1]:
+            print(f"round {r + 1}: {system} ...", file=sys.stderr, flush=True)
+            runs[system].append(child(args, system, model_dir))
+    peak = max(peak, matmul_peak_gflops(args.threads))
+    merged = {k: merge(v) for k, v in runs.items() if v}
+    table = {k: summarize(v) for k, v in merged.items()}
+    ana = merged["anabranch"]
+    flops = update_flops(model_dir, ana.prompt_tokens, args.tokens)
+    table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
+    print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
+          f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
+          f"{args.rounds} round(s) after {args.warmup} warm-up")
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step")
+    keys = list(table["anabranch"].keys())
+    print(f"{'':24}" + "".join(f"{k:>14}" for k in table))
+    for key in keys:
+        print(f"{key:24}" + "".join(f"{table[s].get(key, float('nan')):>14.3f}" for s in table))
+    if "trl" in table:
+        ratio = table["trl"]["s/step"] / table["anabranch"]["s/step"]
+        cpu_ratio = table["trl"]["cpu s/step"] / table["anabranch"]["cpu s/step"]
+        print(f"\nTRL s/step / anabranch s/step = {ratio:.2f}x (CPU time: {cpu_ratio:.2f}x)")
+        table["ratio_trl_over_anabranch"] = ratio
+        table["cpu_ratio_trl_over_anabranch"] = cpu_ratio
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "peak_gflops": peak, "table": table,
+                                               "runs": {k: asdict(v) for k, v in merged.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

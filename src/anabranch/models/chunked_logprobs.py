@@ -1,0 +1,85 @@
+"""Response log-probabilities from hidden states, projecting to the vocabulary one chunk at a time.
+
+For a response token ``y_t`` the log-probability is ``log π(y_t) = z[y_t] − logsumexp(z)`` with
+``z = W h_{t−1} / T`` (``W`` the LM head, ``T`` the sampling temperature), and the entropy is
+``H_t = logsumexp(z) − Σ_v softmax(z)_v z_v``.
+
+The model's backbone runs once to give hidden states; only the ``R`` response positions are then
+projected, ``chunk_rows`` sequences at a time. Each chunk runs under activation checkpointing, so
+autograd keeps only the chunk's hidden states and recomputes its ``[rows, R, V]`` logits during
+the backward pass: at no point does a float copy of the whole batch's vocabulary logits exist
+(the same idea as the chunked / fused linear cross-entropy of Liger-Kernel and Cut Cross-Entropy,
+Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"). The price is a second
+LM-head matmul per chunk in the backward pass.
+
+Recomputation costs one more LM-head matmul per token (for a model whose head is a large share
+of its FLOPs, such as a 16M-parameter model with a 49k vocabulary, about a quarter of the update),
+so :func:`anabranch.models.logprobs.response_forward` uses it only when a micro-batch's logits
+would exceed a byte budget (``logits_budget_bytes``); below it the chunk logits are kept.
+
+Models whose logits are not a plain linear map of the last hidden state (soft-capping, logit
+scales) are not supported here; :func:`supports_chunked_head` says so and callers fall back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Config attributes that put something between the LM head and the softmax.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def supports_chunked_head(model) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
+        return False
+    cfg = getattr(model, "config", None)
+    return not any(getattr(cfg, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS)
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                 inv_temp: float, want_entropy: bool, entropy_grad: bool):
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    if inv_temp != 1.0:
+        logits = logits * inv_temp
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
+    if not want_entropy:
+        return lp, lp.new_zeros(())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return lp, ent
+
+
+def chunked_response_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
+                           temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
+                           chunk_rows: int = 4, recompute: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of ``targets`` [B, R] given the hidden states [B, R, H] that predict them.
+
+    ``recompute=False`` skips the checkpointing: autograd then keeps each chunk's logits for the
+    backward pass (as much memory as unchunked logits, one LM-head matmul less).
+    """
+    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    use_ckpt = recompute and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    lps, ents = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        args = (hidden[start:start + chunk_rows], head.weight, head.bias, targets[start:start + chunk_rows],
+                inv_temp, entropy, entropy_grad)
+        if use_ckpt:
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+def backbone_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor) -> torch.Tensor:
+    """Last-layer hidden states [B, L, H] (after the final norm), without the LM head."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False)
+    return out.last_hidden_state

