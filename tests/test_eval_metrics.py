@@ -136,3 +136,15 @@ def test_canonical_final_answers_merge_equal_numbers(completion, expected):
     from anabranch.eval.answers import extract_answer
 
     assert extract_answer(completion) == expected
+
+
+def test_held_out_truth_falls_back_to_math_verify_for_label_free_rewards():
+    from anabranch.config import RewardConfig, RewardFunctionConfig
+    from anabranch.eval.accuracy import truth_source
+    from anabranch.rewards import build_rewards
+
+    label_free = build_rewards(RewardConfig(functions=[RewardFunctionConfig("majority_vote")]))
+    assert truth_source(label_free, [{"answer": "3"}]).name == "math_verify"
+    assert truth_source(label_free, [{"answer": None}]) is None  # no labels: no accuracy to report
+    labelled = build_rewards(RewardConfig(functions=[RewardFunctionConfig("math_verify")]))
+    assert truth_source(labelled, [{"answer": None}]).name == "math_verify"

@@ -121,12 +121,10 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
 def truth_source(cfg: Config):
     """The reward that says right/wrong: the config's correctness reward, else math_verify (so
     that runs trained on label-free rewards are still scored against the true answers)."""
-    from anabranch.eval.accuracy import correctness_source
-    from anabranch.rewards import RewardSource, build_rewards
-    from anabranch.rewards.registry import REWARDS
+    from anabranch.eval.accuracy import truth_source as shared
+    from anabranch.rewards import build_rewards
 
-    src = correctness_source(build_rewards(cfg.reward))
-    return src or RewardSource("math_verify", 1.0, REWARDS.get("math_verify"), {})
+    return shared(build_rewards(cfg.reward))
 
 
 def diversity_of(completions, answers, correct, settings: EvalSettings) -> tuple[dict, dict]:
