@@ -83,3 +83,31 @@ def test_trainer_reports_the_mismatch_and_applies_tis(engine_and_model):
                             temperature=cfg.temperature, max_response_len=cfg.max_new_tokens)
     assert 0 <= metrics["mismatch/abs_mean"] < 1e-3
     assert metrics["mismatch/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_lora_policy_is_synced_as_merged_weights(tmp_path):
+    """LoRA: after the adapters move, the engine samples from W + (α/r)·BA, like the trainer."""
+    pytest.importorskip("peft", reason="peft not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anabranch.config import LoraConfig
+    from anabranch.models.lora import apply_lora
+    from anabranch.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
+                            intermediate=256, seed=4)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+                       LoraConfig(r=8, alpha=16))
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
+    engine = VLLMBackend(model, tok, cfg, max_model_len=256)
+    with torch.no_grad():  # move the adapters (B starts at zero) so the policy differs from the base
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    ref = _greedy_hf(model, tok, cfg)
+    assert engine.generate(PROMPTS, 1, greedy=True).response_ids.tolist() != ref.response_ids.tolist()
+    engine.sync_weights(model)
+    assert engine.generate(PROMPTS, 1, greedy=True).response_ids.tolist() == ref.response_ids.tolist()

@@ -12,6 +12,7 @@ error or a timeout inside math-verify counts as "not equivalent".
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 from anabranch.rewards.registry import REWARDS
@@ -19,6 +20,9 @@ from anabranch.rewards.time_limit import TimeLimitExceeded, time_limit
 
 # Seconds one completion/answer comparison may take (parsing both and comparing).
 TIMEOUT_S = 5.0
+# math-verify warns on every call that its own (disabled) timeout is off: our time_limit bounds it,
+# and the warning would flood the progress bar.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 @lru_cache(maxsize=4096)

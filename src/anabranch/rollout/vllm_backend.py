@@ -90,8 +90,12 @@ class VLLMBackend:
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """Copy the policy's weights into the engine in place, then drop stale cached prefixes."""
-        weights = [(k, v.detach()) for k, v in model.state_dict().items()]
+        """Copy the policy's weights into the engine in place, then drop stale cached prefixes.
+
+        A LoRA policy is sent as merged plain weights (W + (α/r)·BA under the base model's names)."""
+        from anabranch.models.lora import merged_state_dict
+
+        weights = [(k, v.detach()) for k, v in merged_state_dict(model).items()]
         # The worker's `reload_weights` takes checkpoint-format tensors (separate q/k/v, gate/up)
         # and redoes the engine's own post-load processing (fusing, CPU weight repacking); a plain
         # `model.load_weights` would fail on parameters already repacked for the kernels.
