@@ -65,6 +65,9 @@ def test_wrong_type_names_the_key(item, key):
     ("rollout.n=0", "rollout.n"),
     ("model.dtype=int8", "model.dtype"),
     ("rollout.top_p=1.5", "rollout.top_p"),
+    ("trainer.keep_last=-1", "trainer.keep_last"),
+    ("trainer.max_nonfinite_in_a_row=0", "trainer.max_nonfinite_in_a_row"),
+    ("trainer.save_every=-2", "trainer.save_every"),
 ])
 def test_bad_values_are_rejected(item, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
