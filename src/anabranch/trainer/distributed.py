@@ -235,11 +235,12 @@ class Distributed:
         parts = self.gather_objects({
             "rewards": rewards.cpu(), "per_source": per_source, "lengths": rollout.response_lengths.cpu(),
             "truncated": rollout.truncated.cpu(), "groups": rollout.group_index.cpu(),
-            "num_prompts": len(rollout.prompts)})
+            "completions": list(rollout.completions), "num_prompts": len(rollout.prompts)})
         offsets = [sum(p["num_prompts"] for p in parts[:r]) for r in range(len(parts))]
         view = SimpleNamespace(
             response_lengths=torch.cat([p["lengths"] for p in parts]),
             truncated=torch.cat([p["truncated"] for p in parts]),
+            completions=[c for p in parts for c in p["completions"]],
             group_index=torch.cat([p["groups"] + off for p, off in zip(parts, offsets)]))
         g_sources = {k: [v for p in parts for v in p["per_source"][k]] for k in per_source}
         return torch.cat([p["rewards"] for p in parts]), g_sources, view
