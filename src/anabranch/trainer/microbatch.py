@@ -50,6 +50,21 @@ class MicroBatch:
         return torch.nn.functional.pad(h, (0, 0, self.left, total - self.right))
 
 
+def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None = None) -> list[slice]:
+    """Slices of about ``micro`` rows. With ``group_index`` (groups contiguous, as every backend
+    returns them) a slice never ends inside a group, so group-level objectives (FlowRL's VarGrad)
+    see whole groups; a slice then exceeds ``micro`` by less than one group."""
+    groups = group_index.tolist() if group_index is not None else None
+    out, start = [], 0
+    while start < batch_size:
+        end = min(start + micro, batch_size)
+        while groups is not None and end < batch_size and groups[end] == groups[end - 1]:
+            end += 1
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
 def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, micro_batch_size: int,
                        micro_batch_tokens: int = 0, group_index: torch.Tensor | None = None) -> list[MicroBatch]:
     """Split a [B, P] + [B, R] batch into micro-batches (see the module docstring).
@@ -60,8 +75,6 @@ def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, m
     batch, width_p = prompt_mask.shape
     width_r = response_mask.shape[1]
     if micro_batch_tokens <= 0:
-        from anabranch.trainer.step import micro_batches
-
         return [MicroBatch(torch.arange(s.start, s.stop), 0, width_p + width_r, width_p, width_r)
                 for s in micro_batches(batch, micro_batch_size, group_index)]
     p_len = prompt_mask.sum(-1)

@@ -20,10 +20,9 @@ from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnost
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.resolve import Algorithm
-from anabranch.models.logprobs import response_forward
 from anabranch.rollout.base import Rollout
 from anabranch.rollout.importance import sampler_correction
-from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
+from anabranch.trainer.microbatch import forward_micro_batch, micro_batches, plan_micro_batches  # noqa: F401
 
 
 @dataclass
@@ -42,30 +41,12 @@ class LossContext:
     extras: dict = field(default_factory=dict)   # per-sample rollout tensors (values, returns) of this micro-batch
 
 
-def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None = None) -> list[slice]:
-    """Slices of about ``micro`` rows. With ``group_index`` (groups contiguous, as every backend
-    returns them) a slice never ends inside a group, so group-level objectives (FlowRL's VarGrad)
-    see whole groups; a slice then exceeds ``micro`` by less than one group."""
-    groups = group_index.tolist() if group_index is not None else None
-    out, start = [], 0
-    while start < batch_size:
-        end = min(start + micro, batch_size)
-        while groups is not None and end < batch_size and groups[end] == groups[end - 1]:
-            end += 1
-        out.append(slice(start, end))
-        start = end
-    return out
-
-
 @torch.no_grad()
 def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float, plan=None) -> torch.Tensor:
-    ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1]
-    if plan is None:
-        out = [response_forward(model, ids[s], mask[s], width, temperature).log_probs
-               for s in micro_batches(ids.shape[0], micro)]
-        return torch.cat(out)
+    width = rollout.response_ids.shape[1]
+    plan = plan or plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro)
     device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     full = torch.zeros(ids.shape[0], width, device=device)
     for mb in plan:
         full[mb.rows.to(device)] = forward_micro_batch(model, mb, ids, mask, temperature).log_probs
