@@ -221,6 +221,11 @@ class TrainerConfig:
     # When > 0, micro-batches are packed by length to at most this many (padded) tokens each and
     # micro_batch_size is ignored; padding shared by a micro-batch is cut (trainer/microbatch.py).
     micro_batch_tokens: int = 0
+    # Run each prompt once for its n samples in the training and log-prob forwards (a KV cache
+    # expanded to the group's rows): the same numbers with fewer tokens computed. Used only for
+    # plain Hugging Face decoders without gradient checkpointing or dropout, and rows whose prompts
+    # are really identical; otherwise the ordinary forward runs (models/shared_prefix.py).
+    share_prompt_prefix: bool = True
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from anabranch.models.chunked_logprobs import backbone_hidden, chunked_response_stats, supports_chunked_head
+from anabranch.models.shared_prefix import prefix_groups, shared_prefix_hidden, supports_shared_prefix
 
 
 # Above this many bytes of fp32 logits per micro-batch the LM head is recomputed in the backward
@@ -35,20 +36,34 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                      temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
                      hidden: bool = False, chunk_rows: int = 4, lean: bool = True,
-                     logits_budget_bytes: int = LOGITS_BUDGET_BYTES) -> ForwardOut:
+                     logits_budget_bytes: int = LOGITS_BUDGET_BYTES, share_prefix: bool = False) -> ForwardOut:
     """Forward ``[prompt | response]`` sequences; return log π(response tokens).
 
     With ``lean`` (and a model whose logits are a plain linear head) the backbone runs alone and the
     head is applied per chunk of rows (:mod:`anabranch.models.chunked_logprobs`), recomputing the
     chunk logits in the backward pass when the micro-batch's fp32 logits would exceed
     ``logits_budget_bytes`` (so at most ``chunk_rows`` rows of logits exist at once).
+
+    With ``share_prefix`` (and a model that supports it), adjacent rows with the same prompt run
+    that prompt once (:mod:`anabranch.models.shared_prefix`); the outputs are the same.
     """
     if lean and supports_chunked_head(model):
         position_ids = position_ids_from_mask(attention_mask)
-        h = backbone_hidden(model, input_ids, attention_mask, position_ids)
+        prompt_len = input_ids.shape[1] - response_len
+        group = None
+        if share_prefix and supports_shared_prefix(model):
+            group = prefix_groups(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])
+        if group is None:
+            h = backbone_hidden(model, input_ids, attention_mask, position_ids)
+            h_pred = h[:, -response_len - 1:-1]
+        else:
+            h_prompt, h_resp = shared_prefix_hidden(model, input_ids, attention_mask, position_ids, prompt_len, group)
+            # Position P-1 (the prompt's last token) predicts the first response token.
+            h_pred = torch.cat([h_prompt[group, -1:], h_resp[:, :-1]], dim=1)
+            h = torch.cat([h_prompt[group], h_resp], dim=1) if hidden else None
         head = model.get_output_embeddings()
         recompute = input_ids.shape[0] * response_len * head.out_features * 4 > logits_budget_bytes
-        lp, ent = chunked_response_stats(h[:, -response_len - 1:-1], head, input_ids[:, -response_len:],
+        lp, ent = chunked_response_stats(h_pred, head, input_ids[:, -response_len:],
                                          temperature, entropy, entropy_grad, chunk_rows, recompute)
         return ForwardOut(log_probs=lp, entropy=ent, hidden=h if hidden else None)
     out = model(

@@ -16,8 +16,9 @@ from anabranch.algorithms.advantages import token_level_rewards
 from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.ppo_value import response_values
-from anabranch.models.logprobs import response_forward
+from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
+from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
 
 
 @dataclass
@@ -30,28 +31,36 @@ class AdvantageBatch:
 
 @torch.no_grad()
 def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, modules: dict | None = None,
-                    values: bool = False):
-    """log π(response) and, when asked, the value head's V for every response token."""
-    ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1]
+                    values: bool = False, share_prefix: bool = False):
+    """log π(response) and, when asked, the value head's V for every response token.
+
+    Micro-batches of ``micro`` rows; with ``share_prefix`` (and a model that supports it) they hold
+    whole groups and each group's prompt runs once."""
+    share = share_prefix and supports_shared_prefix(model)
     device = next(model.parameters()).device
-    lps, vals = [], []
-    for s in range(0, ids.shape[0], micro):
-        fo = response_forward(model, ids[s:s + micro].to(device), mask[s:s + micro].to(device), width,
-                              temperature, hidden=values)
-        lps.append(fo.log_probs.float().cpu())
+    ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
+    width = rollout.response_ids.shape[1]
+    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro,
+                              group_index=rollout.group_index if share else None)
+    lps = torch.zeros(ids.shape[0], width)
+    vals = torch.zeros(ids.shape[0], width) if values else None
+    for mb in plan:
+        fo = forward_micro_batch(model, mb, ids, mask, temperature, hidden=values, share_prefix=share)
+        lps[mb.rows] = fo.log_probs.float().cpu()
         if values:
-            vals.append(response_values(modules, fo.hidden, width).float().cpu())
-    return torch.cat(lps), (torch.cat(vals) if values else None)
+            vals[mb.rows] = response_values(modules, fo.hidden, width).float().cpu()
+    return lps, vals
 
 
 def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, micro_batch_size: int,
                        temperature: float, ref_model=None, modules: dict | None = None,
-                       kl_controller=None) -> AdvantageBatch:
+                       kl_controller=None, share_prompt_prefix: bool = True) -> AdvantageBatch:
     cfg, needs = algo.cfg, algo.needs
     mask = rollout.response_mask.float()
     pre: dict = {}
     if "old_log_prob" in needs or "values" in needs:
-        old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs)
+        old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs,
+                                      share_prompt_prefix)
         if "old_log_prob" in needs:
             pre["old_log_prob"] = old
         if values is not None:
@@ -59,7 +68,8 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     if "ref_log_prob" in needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
-        pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature)
+        pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature,
+                                                 share_prefix=share_prompt_prefix)
 
     metrics: dict = {}
     token_rewards = token_level_rewards(rewards, mask)

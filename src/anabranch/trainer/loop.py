@@ -91,13 +91,14 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
         adv = compute_advantages(c.algo, c.model, train_rollout, rewards, micro_batch_size=cfg.trainer.micro_batch_size,
                                  temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
-                                 kl_controller=kl_ctl)
+                                 kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix)
         metrics = policy_update(
             dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
             temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
             ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
             dist=dist.active, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            share_prompt_prefix=cfg.trainer.share_prompt_prefix,
         )
         scheduler.step()
         c.backend.sync_weights(c.model)

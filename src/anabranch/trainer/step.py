@@ -20,6 +20,7 @@ from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnost
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.resolve import Algorithm
+from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
 from anabranch.rollout.importance import sampler_correction
 from anabranch.trainer.microbatch import forward_micro_batch, micro_batches, plan_micro_batches  # noqa: F401
@@ -42,14 +43,16 @@ class LossContext:
 
 
 @torch.no_grad()
-def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float, plan=None) -> torch.Tensor:
+def no_grad_log_probs(model, rollout: Rollout, micro: int, temperature: float, plan=None,
+                      share_prefix: bool = False) -> torch.Tensor:
     width = rollout.response_ids.shape[1]
     plan = plan or plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro)
     device = next(model.parameters()).device
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     full = torch.zeros(ids.shape[0], width, device=device)
     for mb in plan:
-        full[mb.rows.to(device)] = forward_micro_batch(model, mb, ids, mask, temperature).log_probs
+        full[mb.rows.to(device)] = forward_micro_batch(model, mb, ids, mask, temperature,
+                                                       share_prefix=share_prefix).log_probs
     return full
 
 
@@ -57,8 +60,11 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                   algo: Algorithm, *, micro_batch_size: int, grad_clip: float, temperature: float,
                   max_response_len: int, ref_model=None, modules: dict | None = None,
                   params: list | None = None, precomputed: dict | None = None,
-                  kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0) -> dict[str, float]:
+                  kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0,
+                  share_prompt_prefix: bool = True) -> dict[str, float]:
     """``micro_batch_tokens > 0`` packs micro-batches by a token budget (trainer/microbatch.py);
+    ``share_prompt_prefix`` runs each prompt once for the rows that share it, where the model
+    allows (models/shared_prefix.py; same results, fewer tokens computed);
     ``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
     values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL);
     ``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
@@ -80,21 +86,22 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                            max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
+    share = share_prompt_prefix and supports_shared_prefix(model)
     plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
-                              group_index=rollout.group_index)
+                              group_index=rollout.group_index, share_prefix=share)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
     elif "ref_log_prob" in algo.needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
-        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature, plan)
+        ref_lp = no_grad_log_probs(ref_model, rollout, micro_batch_size, temperature, plan, share_prompt_prefix)
     # With one pass over the batch, π_old = π_θ exactly, so that forward pass is skipped.
     old_lp = pre.get("old_log_prob")
     if old_lp is not None:
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
-        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan)
+        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share)
     extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns")}
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
     if params is None:
@@ -107,7 +114,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         epoch_loss = 0.0
         for mb in plan:  # fixed-size (whole groups) in input order, or packed by token budget
             sl = mb.rows.to(device)
-            fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature,
+            fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share,
                                      entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
             m = resp_mask[sl]
             ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
