@@ -3,7 +3,7 @@
 A runner does ``warmup + steps`` GRPO steps (rollout → reward → advantage → one update) on the same
 prompts and returns per-step timings. Both sides get the same model files, prompts, n, completion
 length (min = max new tokens, so every completion has exactly that many tokens), reward function,
-AdamW settings and thread count.
+AdamW settings (torch's fused AdamW on both sides: TRL's default, and anabranch's) and thread count.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ class AnabranchRunner:
         from anabranch.config import AlgorithmConfig, ModelConfig, RolloutConfig
         from anabranch.models.loading import load_model, load_tokenizer
         from anabranch.rollout import ROLLOUT_BACKENDS
+        from anabranch.trainer.components import adamw
 
         torch.set_num_threads(w.threads)
         torch.manual_seed(0)
@@ -128,7 +129,7 @@ class AnabranchRunner:
                                          vllm_max_model_len=1024)
         self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg)
         self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.opt = adamw(self.model.parameters(), lr=LR, weight_decay=0.0)  # fused, as in the trainer
         self.startup_s = time.perf_counter() - t0
 
     def step(self, prompts: list[str], answers: list[str], n: int | None = None, tokens: int | None = None):
@@ -197,7 +198,7 @@ def run_trl(w: Workload) -> RunResult:
         output_dir=out_dir, per_device_train_batch_size=w.prompts_per_step * w.n, gradient_accumulation_steps=1,
         num_generations=w.n, max_completion_length=w.tokens, generation_kwargs={"min_new_tokens": w.tokens},
         temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
-        max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch", max_steps=w.warmup + w.steps,
+        max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch_fused", max_steps=w.warmup + w.steps,
         use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
         shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )

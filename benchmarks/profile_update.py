@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--no-share-prefix", action="store_true", help="trainer.share_prompt_prefix=false")
+    ap.add_argument("--repeats", type=int, default=2, help="unprofiled updates timed before the profiled one")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -37,6 +39,7 @@ def main() -> None:
     from anabranch.config import AlgorithmConfig, ModelConfig
     from anabranch.models.loading import load_model, load_tokenizer
     from anabranch.rollout.base import Rollout
+    from anabranch.trainer.components import adamw
     from anabranch.trainer.step import policy_update
 
     torch.set_num_threads(args.threads)
@@ -51,12 +54,17 @@ def main() -> None:
                  torch.arange(args.prompts).repeat_interleave(args.n), prompts, [""] * B,
                  torch.ones(B, dtype=torch.bool))
     algo = resolve_algorithm(AlgorithmConfig())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = adamw(model.parameters(), lr=1e-6)
     rewards = torch.rand(B)
     adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
     kw = dict(micro_batch_size=B, grad_clip=1.0, temperature=1.0, max_response_len=R,
-              micro_batch_tokens=args.micro_batch_tokens)
+              micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
+    print(f"prompt tokens per sequence: {enc['attention_mask'].sum(-1).tolist()}; {B} x {R} response tokens")
     policy_update(model, opt, ro, adv, rewards, algo, **kw)
+    for _ in range(args.repeats):
+        cpu, wall = time.process_time(), time.perf_counter()
+        policy_update(model, opt, ro, adv, rewards, algo, **kw)
+        print(f"update: wall {time.perf_counter() - wall:.2f} s, CPU {time.process_time() - cpu:.2f} s")
     cpu, wall = time.process_time(), time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         policy_update(model, opt, ro, adv, rewards, algo, **kw)

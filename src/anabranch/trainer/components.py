@@ -94,7 +94,19 @@ def build_optimizer(cfg: Config, model, modules: dict):
         params = [p for p in module.parameters() if p.requires_grad]
         if params:
             groups.append({"params": params, "lr": t.lr * getattr(module, "lr_multiplier", 1.0)})
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    return adamw(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with its fused kernel where torch has one for these parameters (CPU and
+    CUDA, float dtypes): one pass over each tensor instead of a loop of element-wise ops, about 3x
+    faster on CPU, with the same update up to float rounding (tests/test_fused_adamw.py). Otherwise
+    torch's default implementation."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, **kwargs)
 
 
 def lr_lambda(cfg: Config):
