@@ -146,3 +146,39 @@ def test_token_budget_micro_batches_give_the_full_batch_update(model, mode):
         assert torch.allclose(full[n], packed[n], atol=1e-6), n
     assert m_full["loss"] == pytest.approx(m_packed["loss"], abs=1e-6)
     assert m_full["entropy"] == pytest.approx(m_packed["entropy"], rel=1e-5)
+
+
+@pytest.mark.parametrize("temperature,entropy_grad", [(1.0, False), (0.6, False), (1.0, True), (0.6, True)])
+def test_fused_log_prob_entropy_matches_log_softmax_in_float64(temperature, entropy_grad):
+    from anabranch.models.chunked_logprobs import token_log_prob_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 300, generator=g) * 4).requires_grad_()
+    targets = torch.randint(0, 300, (3, 5), generator=g)
+    w_lp, w_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    lp, ent = token_log_prob_entropy(logits, targets, 1.0 / temperature, True, entropy_grad)
+    assert ent.requires_grad == entropy_grad  # a metric unless asked for with grad
+    loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    ref_logits = logits.detach().double().requires_grad_()
+    logp = torch.log_softmax(ref_logits / temperature, -1)
+    ref_lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    ref_loss = (ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy_grad else 0)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_logits)
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-5)
+    assert torch.allclose(ent.double(), ref_ent, atol=1e-5)
+    assert torch.allclose(grad.double(), ref_grad, atol=1e-6)
+    assert ref_grad.abs().max() > 0.1
+
+
+def test_fused_log_prob_entropy_refuses_a_second_backward():
+    """Its backward pass writes the gradient into the saved softmax; reusing the graph must fail."""
+    from anabranch.models.chunked_logprobs import token_log_prob_entropy
+
+    logits = torch.randn(2, 7, requires_grad=True)
+    lp, _ = token_log_prob_entropy(logits, torch.tensor([1, 3]))
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from anabranch.models.chunked_logprobs import backbone_hidden, chunked_response_stats, supports_chunked_head
+from anabranch.models.chunked_logprobs import (backbone_hidden, chunked_response_stats, supports_chunked_head,
+                                               token_log_prob_entropy)
 from anabranch.models.shared_prefix import prefix_groups, shared_prefix_hidden, supports_shared_prefix
 
 
@@ -76,18 +77,13 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     )
     logits = out.logits[:, :-1, :]  # position t predicts token t+1
     targets = input_ids[:, -response_len:]
+    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     lps, ents = [], []
     for start in range(0, logits.shape[0], chunk_rows):
-        block = logits[start:start + chunk_rows].float()
-        if temperature != 1.0 and temperature > 0:
-            block = block / temperature
-        lse = torch.logsumexp(block, dim=-1)
-        tok = block.gather(-1, targets[start:start + chunk_rows, :, None]).squeeze(-1)
-        lps.append(tok - lse)
-        if entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = torch.softmax(block, dim=-1)
-                ents.append(lse - (probs * block).sum(-1))
+        lp, ent = token_log_prob_entropy(logits[start:start + chunk_rows], targets[start:start + chunk_rows],
+                                         inv_temp, entropy, entropy_grad and torch.is_grad_enabled())
+        lps.append(lp)
+        ents.append(ent)
     return ForwardOut(
         log_probs=torch.cat(lps),
         entropy=torch.cat(ents) if entropy else None,
