@@ -32,6 +32,7 @@ class Workload:
     steps: int = 3
     threads: int = 2
     micro_batch_tokens: int = 8192  # anabranch's token budget per micro-batch
+    share_prompt_prefix: bool = True  # anabranch's trainer.share_prompt_prefix (each prompt runs once per group)
 
 
 @dataclass
@@ -145,7 +146,7 @@ class AnabranchRunner:
         adv = self.algo.advantage(rewards, ro.group_index, ro.response_mask.float(), self.algo.cfg)
         policy_update(self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
                       grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
-                      micro_batch_tokens=self.w.micro_batch_tokens)
+                      micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
         return ro, t1 - t0, t2 - t1
@@ -256,12 +257,17 @@ def matmul_peak_gflops(threads: int, seconds: float = 3.0) -> float:
     return best
 
 
-def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int, n_layers_hidden=None) -> float:
-    """Model FLOPs of one forward+backward over the batch (the usual 6·N·T count, Kaplan et al. 2020).
+def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int, group_size: int = 1) -> float:
+    """Model FLOPs of one forward+backward over the batch (the usual 6·N·T count, Kaplan et al. 2020),
+    counting the tokens that are actually computed.
 
-    6·N_body·T_all for the transformer body over every real token, 6·V·H·T_resp for the LM head at the
-    response positions (the only ones whose log-probs are used), and 6·L·H·S² per sequence of length S
-    for causal attention scores and values. Activation recomputation is not counted.
+    6·N_body·T for the transformer body over every computed token, 6·V·H·T_resp for the LM head at
+    the response positions (the only ones whose log-probs are used), and 6·L·H·S² per sequence of
+    length S for causal attention scores and values. ``prompt_tokens`` holds each sequence's real
+    prompt length; with ``group_size`` > 1 (trainer.share_prompt_prefix: the n samples of a prompt,
+    consecutive, run its prompt once) a group's prompt counts once in the body and its attention
+    (P² per group, then 2·P·R + R² per response), so sharing lowers the FLOPs, not just the time.
+    Activation recomputation is not counted.
     """
     from transformers import AutoConfig
 
@@ -270,11 +276,12 @@ def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int,
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head_dim
     body = layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
-    lengths = [p + response_tokens for p in prompt_tokens]
-    t_all = sum(lengths)
-    t_resp = response_tokens * len(prompt_tokens)
-    attn = sum(6 * layers * h * s * s for s in lengths)
-    return 6 * body * t_all + 6 * v * h * t_resp + attn
+    r = response_tokens
+    t_resp = r * len(prompt_tokens)
+    prompts_computed = prompt_tokens[::group_size]  # the first sequence of each group
+    t_body = sum(prompts_computed) + t_resp
+    attn = 6 * layers * h * (sum(p * p for p in prompts_computed) + sum(2 * p * r + r * r for p in prompt_tokens))
+    return 6 * body * t_body + 6 * v * h * t_resp + attn
 
 
 def summarize(r: RunResult) -> dict:

@@ -40,6 +40,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--no-share-prefix", action="store_true",
+                    help="anabranch runs every sequence's prompt (trainer.share_prompt_prefix=false)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
@@ -50,7 +52,7 @@ def parse() -> argparse.Namespace:
 def worker(args) -> None:
     w = Workload(model=args.model_dir, prompts_per_step=args.prompts, n=args.n, tokens=args.tokens,
                  warmup=args.warmup, steps=args.steps, threads=args.threads,
-                 micro_batch_tokens=args.micro_batch_tokens)
+                 micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
     print("RESULT " + res.to_json(), flush=True)
 
@@ -59,7 +61,7 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+           "--micro-batch-tokens", str(args.micro_batch_tokens)] + (["--no-share-prefix"] if args.no_share_prefix else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -96,12 +98,15 @@ def main() -> None:
     merged = {k: merge(v) for k, v in runs.items() if v}
     table = {k: summarize(v) for k, v in merged.items()}
     ana = merged["anabranch"]
-    flops = update_flops(model_dir, ana.prompt_tokens, args.tokens)
+    # The FLOPs anabranch computes: with shared prompt prefixes, each prompt once per group of n.
+    flops = update_flops(model_dir, ana.prompt_tokens, args.tokens, 1 if args.no_share_prefix else args.n)
     table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
           f"{args.rounds} round(s) after {args.warmup} warm-up")
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step")
+    shared = "each prompt once per group" if not args.no_share_prefix else "every sequence's prompt"
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step "
+          f"(the tokens it computes: {shared})")
     keys = list(table["anabranch"].keys())
     print(f"{'':24}" + "".join(f"{k:>14}" for k in table))
     for key in keys:
