@@ -297,6 +297,9 @@ class NullRunDir:
     def __init__(self, cfg: Config):
         self.path = Path(cfg.trainer.output_dir) / (cfg.trainer.run_name or "")
 
+    def resume_at(self, step: int) -> None:
+        pass
+
     def log_metrics(self, step: int, metrics: dict) -> None:
         pass
 

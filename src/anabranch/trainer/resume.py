@@ -191,6 +191,8 @@ class Checkpointer:
                                 f"{', '.join(changed)}: the run will not follow the trajectory it would have taken")
         for name in ("metrics.jsonl", "samples.jsonl"):
             cut_log(self.run.path / name, step)
+        if hasattr(self.run, "resume_at"):
+            self.run.resume_at(step)
         ranks = st.get("rng_ranks") or [st["rng"]]
         if len(ranks) != self.dist.world_size:
             self.progress.write(f"anabranch: warning: the checkpoint was written by {len(ranks)} process(es) and "
