@@ -41,7 +41,7 @@ def update_config(model_dir: str):
                               "trainer.grad_clip=0", "algorithm.loss_agg_mode=token-mean"])
 
 
-def one_update(model_dir: str, dist: Distributed):
+def one_update(model_dir: str, dist: Distributed, micro: int = 4):
     """Load the tiny model, shard the fixed global batch, run one policy update."""
     from types import SimpleNamespace
 
@@ -58,7 +58,7 @@ def one_update(model_dir: str, dist: Distributed):
     rollout, rewards = fixed_rollout(dist.shard(list(range(PROMPTS))))
     adv = algo.advantage(rewards, rollout.group_index, rollout.response_mask.float(), algo.cfg)
     metrics = policy_update(dist.policy(model), c.optimizer, rollout, adv, rewards, algo,
-                            micro_batch_size=4, grad_clip=0.0, temperature=1.0, max_response_len=R,
+                            micro_batch_size=micro, grad_clip=0.0, temperature=1.0, max_response_len=R,
                             dist=dist.active)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -71,7 +71,9 @@ def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str) -
     torch.set_num_threads(1)
     cfg = update_config(model_dir)
     dist = Distributed.start(cfg)
-    metrics, grads, weights, (rollout, rewards) = one_update(model_dir, dist)
+    # Rank 0 runs 2 micro-batches (of 4 and 2 rows), rank 1 one of 6: DDP must all-reduce once,
+    # after each rank's last backward, however many micro-batches each rank has.
+    metrics, grads, weights, (rollout, rewards) = one_update(model_dir, dist, micro=4 if rank == 0 else 6)
     g_rewards, g_sources, g_view = dist.gather_rollout(rewards, {"src": rewards.tolist()}, rollout)
     torch.save({"metrics": metrics, "grads": grads, "weights": weights, "local_groups": rollout.prompts,
                 "g_rewards": g_rewards, "g_sources": g_sources, "g_groups": g_view.group_index,
@@ -218,3 +220,46 @@ def test_accelerate_configs_parse_with_accelerate():
     assert kinds["deepspeed_zero2"][3] == 2 and kinds["deepspeed_zero3"][3] == 3
     assert kinds["multi_node_fsdp2"][1] == 2
     assert kinds["cpu_ddp"][0] == "MULTI_CPU"
+
+
+# Dynamic sampling over 2 processes. Rewards of the 2 samples of each prompt id; round 1 (ids 0-3)
+# keeps 1 group on rank 0 (ids 0, 1) and 2 on rank 1 (ids 2, 3): 3 of 4, so a second round runs
+# (ids 4-7), whose id 4 fills the batch. One process keeps [1, 2, 3, 4]; dealt out: [1, 2] and [3, 4].
+DS_REWARDS = {0: [1, 1], 1: [1, 0], 2: [0, 1], 3: [1, 0], 4: [0, 1], 5: [0, 0], 6: [1, 1], 7: [1, 0]}
+
+
+def _dynamic_sampling_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from test_dapo_batch import Sequential, components
+
+    import test_dapo_batch
+    from anabranch.trainer import collect
+
+    test_dapo_batch.REWARDS.clear()
+    test_dapo_batch.REWARDS.update(DS_REWARDS)
+    collect.score_detailed = test_dapo_batch.fake_score
+    cfg = load_config(None, ["rollout.n=2", "rollout.prompts_per_step=4", "algorithm.dynamic_sampling=true",
+                             "trainer.device=cpu"])
+    dist = Distributed.start(cfg)
+    c = components()
+    c.train_prompts, c.train_rows = [f"q{i}" for i in range(8)], [{"id": i} for i in range(8)]
+    sampler = Sequential()
+    batch = collect.collect_batch(c, dist.rank_sampler(sampler), cfg, dist)
+    torch.save({"ids": [row["id"] for row in batch.rows], "groups": batch.rollout.group_index.tolist(),
+                "total": batch.total, "metrics": batch.metrics, "sampler_pos": sampler.pos,
+                "generate_calls": c.backend.calls}, Path(out) / f"ds{rank}.pt")
+
+
+def test_dynamic_sampling_over_two_processes_keeps_what_one_process_keeps(tmp_path):
+    mp.spawn(_dynamic_sampling_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"ds{r}.pt") for r in range(2)]
+    assert ranks[0]["ids"] == [1, 1, 2, 2] and ranks[1]["ids"] == [3, 3, 4, 4]
+    for rank in ranks:
+        assert rank["groups"] == [0, 0, 1, 1]  # whole groups, renumbered per rank
+        assert rank["total"] == [x for i in rank["ids"][::2] for x in map(float, DS_REWARDS[i])]
+        assert rank["metrics"]["dynamic_sampling/rounds"] == 2.0
+        assert rank["metrics"]["dynamic_sampling/kept_groups"] == 4.0
+        # informative groups among those generated: 1, 2, 3, 4 and 7 of ids 0-7 (as one process counts)
+        assert rank["metrics"]["dynamic_sampling/kept_frac_of_generated"] == 0.625
+        assert rank["sampler_pos"] == 8 and rank["generate_calls"] == 2  # ranks in lockstep

@@ -138,3 +138,25 @@ def test_changed_config_keys_are_named():
     a = load_config(None, ["trainer.steps=4"]).to_dict()
     b = load_config(None, ["trainer.steps=8", "trainer.lr=1e-3", "rollout.n=8", "task.params={x: 1}"]).to_dict()
     assert changed_keys(a, b) == ["rollout.n", "task.params", "trainer.lr"]
+
+
+def test_resume_in_the_same_run_shows_each_step_once_in_tensorboard(tiny_model_dir, write_jsonl, tmp_path):
+    """A run that went on past its last checkpoint (steps 3-4 after the step-2 checkpoint) and is
+    resumed there: metrics.jsonl is cut, and TensorBoard hides the stale steps 3-4 (purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
+    common = {"trainer.tensorboard": True, "trainer.run_name": "same", "trainer.save_every": 2}
+    first = train(run_cfg(tiny_model_dir, data, tmp_path, **common, **{"trainer.steps": 4, "trainer.lr": 3e-2}))
+    step2 = list_checkpoints(Path(first.run_dir) / "checkpoints")[0]
+    assert step2.name == "step-000002"
+    # Resume from step 2 at another temperature, so the new steps 3-4 differ from the stale ones.
+    resumed = train(run_cfg(tiny_model_dir, data, tmp_path, **common, **{
+        "trainer.steps": 4, "trainer.lr": 3e-2, "rollout.temperature": 0.5, "trainer.resume": str(step2)}))
+    acc = EventAccumulator(str(Path(resumed.run_dir) / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("entropy")  # entropy at another temperature tells stale steps from new ones
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    expected = [m["entropy"] for m in first.history[:2]] + [m["entropy"] for m in resumed.history[2:]]
+    assert [e.value for e in events] == pytest.approx(expected, rel=1e-6)
+    assert [m["entropy"] for m in first.history[2:]] != pytest.approx([m["entropy"] for m in resumed.history[2:]])

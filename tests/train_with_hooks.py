@@ -16,8 +16,8 @@ if HOOK == "hang_in_second_checkpoint":
     # Hang after writing the model files of the second checkpoint, before its trainer state.
     save_hf, calls = checkpoint.save_hf, [0]
 
-    def hanging_save_hf(model, tokenizer, path):
-        save_hf(model, tokenizer, path)
+    def hanging_save_hf(model, tokenizer, path, state_dict=None):
+        save_hf(model, tokenizer, path, state_dict=state_dict)
         calls[0] += 1
         if calls[0] == 2:
             print("WRITING-CHECKPOINT", flush=True)

@@ -37,6 +37,12 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def supports_chunked_head(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # FSDP2 gathers the root's own weights (embeddings, final norm, LM head) only inside the
+        # root's forward; calling the decoder and the head separately would see shards.
+        return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
         return False

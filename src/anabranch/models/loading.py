@@ -79,11 +79,13 @@ def resolve_model_path(path: str) -> str:
     return str(target)
 
 
-def save_hf(model, tokenizer, path: str | Path) -> None:
+def save_hf(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
     """``save_pretrained`` of model and tokenizer that plain transformers and vLLM load.
 
     A model loaded from GGUF carries a quantizer and a quantization config that describe the
-    GGUF file, not the dequantized weights we save, so they are dropped first.
+    GGUF file, not the dequantized weights we save, so they are dropped first. ``state_dict``:
+    the full weights gathered from a sharded model (FSDP2, ZeRO-3), written instead of the
+    module's own (rank-local) parameters.
     """
     from anabranch.models.lora import plain_model
 
@@ -94,7 +96,7 @@ def save_hf(model, tokenizer, path: str | Path) -> None:
         model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
 

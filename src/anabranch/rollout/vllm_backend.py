@@ -94,8 +94,10 @@ class VLLMBackend:
 
         A LoRA policy is sent as merged plain weights (W + (α/r)·BA under the base model's names)."""
         from anabranch.models.lora import merged_state_dict
+        from anabranch.trainer.sharded_state import to_full_tensors
 
-        weights = [(k, v.detach()) for k, v in merged_state_dict(model).items()]
+        # An FSDP2-sharded policy: every rank gathers the full weights for its own engine.
+        weights = [(k, v.detach()) for k, v in to_full_tensors(merged_state_dict(model)).items()]
         # The worker's `reload_weights` takes checkpoint-format tensors (separate q/k/v, gate/up)
         # and redoes the engine's own post-load processing (fusing, CPU weight repacking); a plain
         # `model.load_weights` would fail on parameters already repacked for the kernels.

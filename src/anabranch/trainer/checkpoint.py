@@ -20,12 +20,13 @@ STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def export_hf(model, tokenizer, path: Path) -> Path:
-    """Atomically write a plain Hugging Face checkpoint of the policy."""
+def export_hf(model, tokenizer, path: Path, state_dict: dict | None = None) -> Path:
+    """Atomically write a plain Hugging Face checkpoint of the policy (``state_dict``: its full
+    weights gathered from a sharded model, see :mod:`anabranch.trainer.sharded_state`)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp)
+    save_hf(model, tokenizer, tmp, state_dict=state_dict)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
@@ -63,16 +64,31 @@ def load_module_states(modules: dict, trainer_state: dict) -> None:
         module.load_state_dict(saved[name])
 
 
+def checkpoint_dir(run_path: Path, step: int) -> Path:
+    return Path(run_path) / "checkpoints" / f"step-{step:06d}"
+
+
+def staging_dir(run_path: Path, step: int) -> Path:
+    """Where ``step-N`` is written before the rename that commits it."""
+    path = checkpoint_dir(run_path, step)
+    return path.with_name(path.name + ".tmp")
+
+
 def save_checkpoint(run_path: Path, step: int, model, tokenizer, optimizer, state: dict,
-                    keep_last: int = 0) -> Path:
-    """Write ``checkpoints/step-N`` atomically, then delete all but the ``keep_last`` newest."""
-    folder = Path(run_path) / "checkpoints"
-    path = folder / f"step-{step:06d}"
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / "model")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), **state},
-               tmp / STATE_FILE)
+                    keep_last: int = 0, model_state: dict | None = None, optimizer_state: dict | None = None,
+                    staged: bool = False) -> Path:
+    """Write ``checkpoints/step-N`` atomically, then delete all but the ``keep_last`` newest.
+
+    ``model_state`` / ``optimizer_state``: full states gathered from a sharded run, written instead
+    of the local module's and optimizer's. ``staged``: the staging folder already holds files
+    written by every rank (a DeepSpeed engine state) and must be kept, not cleared."""
+    path, tmp = checkpoint_dir(run_path, step), staging_dir(run_path, step)
+    folder = path.parent
+    if not staged:
+        shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tokenizer, tmp / "model", state_dict=model_state)
+    optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    torch.save({"step": step, "optimizer": optim, "rng": rng_state(), **state}, tmp / STATE_FILE)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)  # the commit point: before it only step-N.tmp exists
@@ -111,11 +127,17 @@ def load_state(path: Path) -> dict:
 def load_model_weights(model, path: Path) -> None:
     """Copy the weights saved in ``path/model`` into ``model`` in place (same tensors, so an
     optimizer built on them stays valid). Loading through transformers handles tied weights and
-    any key renaming it applies when saving; fp32 safetensors round-trip bit for bit."""
+    any key renaming it applies when saving; fp32 safetensors round-trip bit for bit. A model
+    sharded with FSDP2 takes its own shard of the full weights (every rank must call this)."""
     from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer.sharded_state import is_fsdp2, load_full_model_state
 
     dtype = next(model.parameters()).dtype
     saved = AutoModelForCausalLM.from_pretrained(str(Path(path) / "model"), dtype=dtype)
-    with torch.no_grad():
-        model.load_state_dict(saved.state_dict(), strict=True)
+    if is_fsdp2(model):
+        load_full_model_state(model, saved.state_dict())
+    else:
+        with torch.no_grad():
+            model.load_state_dict(saved.state_dict(), strict=True)
     del saved

@@ -60,10 +60,14 @@ def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> list
             if not bool((rewards[group_index == g] == rewards[group_index == g][0]).all())]
 
 
-def collect_batch(c, sampler, cfg) -> ScoredBatch:
+def collect_batch(c, sampler, cfg, dist=None) -> ScoredBatch:
+    """``sampler.next(k)`` gives this rank's share of k prompts; ``dist``: a data-parallel run
+    (:class:`~anabranch.trainer.distributed.Distributed` with several processes)."""
     want = cfg.rollout.prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
         return generate_scored(c, sampler.next(want), cfg)
+    if dist is not None and dist.world_size > 1:
+        return collect_dynamic_distributed(c, sampler, cfg, dist)
     kept, t_gen, seen, last = [], 0.0, 0, None
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg)
@@ -81,6 +85,44 @@ def collect_batch(c, sampler, cfg) -> ScoredBatch:
     # Reward-source metrics of the last round generated (failure counts are per call).
     batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(n_kept, want)),
                      "dynamic_sampling/kept_frac_of_generated": n_kept / max(seen, 1)}
+    return batch
+
+
+def collect_dynamic_distributed(c, sampler, cfg, dist) -> ScoredBatch:
+    """Dynamic sampling over W processes, giving the batch one process would keep.
+
+    Every round, all ranks generate their share of the same ``prompts_per_step`` prompts and count
+    the groups they keep; the *global* count decides whether another round is drawn, so all ranks
+    run the same rounds (generation stays in lockstep, which sharded engines need, and the prompt
+    samplers stay identical). The kept groups are then ordered as one process would have them
+    (round by round, rank by rank: the prompt order) and dealt out again in contiguous equal shares,
+    so every rank trains on the same number of whole groups. If fewer than ``prompts_per_step``
+    groups were kept after ``max_sample_batches`` rounds, the largest multiple of W is used; with
+    fewer than W, each rank keeps its share of the last round as is (the step still runs and logs).
+    """
+    want, world = cfg.rollout.prompts_per_step, dist.world_size
+    kept, t_gen, n_global, seen, last = [], 0.0, 0, 0, None
+    for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
+        last = generate_scored(c, sampler.next(want), cfg)
+        t_gen += last.t_generate
+        groups = informative_groups(last.rewards, last.rollout.group_index)
+        kept.append(select_groups(last, groups))
+        counts = dist.all_reduce_sum(torch.tensor([len(groups), len(last.rollout.prompts)], dtype=torch.float64))
+        n_global, seen = n_global + int(counts[0].item()), seen + int(counts[1].item())
+        if n_global >= want:
+            break
+    take = want if n_global >= want else (n_global // world) * world
+    if take == 0:
+        batch = last
+    else:
+        everyone = dist.gather_objects(kept)  # [rank][round] -> ScoredBatch
+        ordered = [everyone[r][k] for k in range(rounds) for r in range(world) if everyone[r][k].rollout.prompts]
+        share = take // world
+        batch = select_groups(concat_batches(ordered), list(range(dist.rank * share, (dist.rank + 1) * share)))
+    batch.t_generate = t_gen
+    batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds),
+                     "dynamic_sampling/kept_groups": float(take),
+                     "dynamic_sampling/kept_frac_of_generated": n_global / max(seen, 1)}
     return batch
 
 

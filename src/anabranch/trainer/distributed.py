@@ -18,6 +18,7 @@ checkpoints. A single process without mixed precision never creates an ``Acceler
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -117,6 +118,7 @@ class Distributed:
             return
         self._check_engine(c.cfg)
         self.train_model, c.optimizer = self.accelerator.prepare(c.model, c.optimizer)
+        self.check_sharded(c)
         if self.sharded and hasattr(c, "backend"):
             # Sharded weights are gathered inside every forward, a collective: ranks that finish
             # sampling early must keep stepping until all have (transformers' synced_gpus).
@@ -128,11 +130,31 @@ class Distributed:
             torch.manual_seed(c.cfg.trainer.seed + 1_000_003 * self.rank)
             self._sync_extra_params()
 
+    def check_sharded(self, c) -> None:
+        """Refuse what a sharded policy cannot do yet, before the first step (not as a hang later)."""
+        if not self.sharded:
+            return
+        from anabranch.models.lora import is_peft
+
+        if is_peft(c.model):
+            raise ConfigError("LoRA (model.lora.r > 0) with FSDP or DeepSpeed ZeRO-3 is not supported: "
+                              "merging sharded adapters for export is not implemented; use DDP "
+                              "(configs/accelerate/multi_gpu_ddp.yaml) or ZeRO-2 with LoRA")
+        if c.cfg.trainer.micro_batch_tokens > 0:
+            # Every forward of a sharded model is a collective, so all ranks must run the same
+            # number of micro-batches; a token budget packs each rank's batch differently.
+            raise ConfigError("trainer.micro_batch_tokens > 0 with FSDP or DeepSpeed ZeRO-3 would give ranks "
+                              "different numbers of micro-batches; use trainer.micro_batch_size instead")
+
     @property
     def sharded(self) -> bool:
         """FSDP or DeepSpeed ZeRO-3: no rank holds the whole model."""
         if self.accelerator is None or self.world_size == 1:
             return False
+        from anabranch.trainer.sharded_state import is_fsdp2
+
+        if is_fsdp2(self.train_model):
+            return True
         from accelerate.utils import DistributedType
 
         kind = self.accelerator.distributed_type
@@ -186,6 +208,14 @@ class Distributed:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
+    def micro_batch_context(self, model, last: bool):
+        """Around one micro-batch's forward and backward: DDP all-reduces gradients only after the
+        step's last micro-batch (``no_sync`` before it). One all-reduce per step instead of one per
+        micro-batch, and ranks may then run different numbers of micro-batches (token budgets)."""
+        if last or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
     def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
         """Average the gradients DDP does not own (extra heads), then clip the global norm."""
         if self.world_size > 1:
@@ -193,7 +223,8 @@ class Distributed:
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
                     p.grad /= self.world_size
-        return self.accelerator.clip_grad_norm_(params, max_norm)
+        norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
 
     # ------------------------------------------------------------------ collectives
 
@@ -219,6 +250,12 @@ class Distributed:
         out = [None] * self.world_size
         torch.distributed.all_gather_object(out, obj)
         return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on some rank."""
+        if self.world_size == 1:
+            return bool(flag)
+        return self.all_reduce_sum(torch.tensor([float(bool(flag))], dtype=torch.float64)).item() > 0
 
     def broadcast_object(self, obj):
         box = [obj]
@@ -259,6 +296,9 @@ class NullRunDir:
 
     def __init__(self, cfg: Config):
         self.path = Path(cfg.trainer.output_dir) / (cfg.trainer.run_name or "")
+
+    def resume_at(self, step: int) -> None:
+        pass
 
     def log_metrics(self, step: int, metrics: dict) -> None:
         pass

@@ -10,13 +10,14 @@ import torch
 
 from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.overlong import filter_overlong
-from anabranch.config import Config, ConfigError
+from anabranch.config import Config
 from anabranch.eval.accuracy import correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
 from anabranch.trainer.advantage_pass import compute_advantages
 from anabranch.trainer.checkpoint import export_hf
+from anabranch.trainer.sharded_state import full_model_state
 from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
@@ -59,9 +60,6 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
-    if dist.world_size > 1 and cfg.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling is not supported with several processes yet; "
-                          "set algorithm.dynamic_sampling=false or distributed.num_processes=1")
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -77,7 +75,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         return res[key]
 
     ckpt = Checkpointer(cfg, c, run, sampler, scheduler, result, progress, stop,
-                        stateful={"kl_controller": kl_ctl}, is_main=dist.is_main)
+                        stateful={"kl_controller": kl_ctl}, dist=dist)
     start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
     progress.bar.update(start)
     if cfg.trainer.eval_before and start == 0:
@@ -85,7 +83,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     for step in range(start + 1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
         # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-        batch = collect_batch(c, dist.rank_sampler(sampler), cfg)
+        batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist)
         rollout, rows, total, per_source, rewards = batch.rollout, batch.rows, batch.total, batch.per_source, batch.rewards
         t_gen = batch.t_generate
         train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
@@ -120,8 +118,10 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     progress.close()
     if cfg.trainer.eval_after:
         result.accuracy_after = evaluate("after", cfg.trainer.steps)
-    if cfg.trainer.save_final and dist.is_main:
-        result.final_model_dir = export_hf(c.model, c.tokenizer, run.path / "final")
+    if cfg.trainer.save_final:
+        full = full_model_state(dist, c.model)  # a sharded policy's weights, gathered (all ranks)
+        if dist.is_main:
+            result.final_model_dir = export_hf(c.model, c.tokenizer, run.path / "final", state_dict=full)
     run.write_json("summary.json", {"accuracy_before": result.accuracy_before,
                                     "accuracy_after": result.accuracy_after, "steps": cfg.trainer.steps,
                                     "model_collapse": collapse_report(run.path / "metrics.jsonl",

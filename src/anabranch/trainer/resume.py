@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 from pathlib import Path
 
 from anabranch.config import Config, ConfigError
-from anabranch.trainer.checkpoint import (list_checkpoints, load_model_weights, load_module_states, load_state,
-                                          module_states, save_checkpoint, set_rng_state)
+from anabranch.trainer.checkpoint import (checkpoint_dir, list_checkpoints, load_model_weights, load_module_states,
+                                          load_state, module_states, rng_state, save_checkpoint, set_rng_state,
+                                          staging_dir)
+from anabranch.trainer.distributed import Distributed
+from anabranch.trainer.sharded_state import (full_model_state, full_optimizer_state, is_fsdp2, load_engine_state,
+                                             load_full_optimizer_state, save_engine_state, uses_engine_state)
 from anabranch.trainer.nonfinite import NonFiniteGuard
 from anabranch.trainer.signals import GracefulStop, RunStopped
 
@@ -96,18 +101,20 @@ def cut_log(path: Path, step: int) -> None:
 
 class Checkpointer:
     def __init__(self, cfg: Config, c, run, sampler, scheduler, result, progress, stop: GracefulStop,
-                 stateful: dict | None = None, is_main: bool = True):
+                 stateful: dict | None = None, dist: Distributed | None = None):
         """``stateful``: other objects with state_dict/load_state_dict (the adaptive KL controller);
-        ``is_main``: only the main process of a data-parallel run writes checkpoints."""
+        ``dist``: this process's place in a data-parallel run (rank 0 writes; every rank takes part
+        in gathering a sharded model's state and saves its own RNG state through rank 0)."""
         self.cfg, self.c, self.run, self.sampler, self.scheduler = cfg, c, run, sampler, scheduler
-        self.stateful, self.is_main = dict(stateful or {}), is_main
+        self.stateful, self.dist = dict(stateful or {}), dist or Distributed()
         self.result, self.progress, self.stop = result, progress, stop
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.last_saved_step = None
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int) -> Path:
-        c = self.c
+        """Write checkpoint ``step`` (a collective in a data-parallel run: every rank calls it)."""
+        c, dist = self.c, self.dist
         state = {
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -117,12 +124,26 @@ class Checkpointer:
             "nonfinite": self.guard.state_dict(),
             "config": self.cfg.to_dict(),
             "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+            # Each rank samples from its own generators: keep every rank's, restore each its own.
+            "rng_ranks": dist.gather_objects(rng_state()),
         }
-        if not self.is_main:
-            self.last_saved_step = step
-            return self.run.path / "checkpoints" / f"step-{step:06d}"
-        path = save_checkpoint(self.run.path, step, c.model, c.tokenizer, c.optimizer, state,
-                               keep_last=self.cfg.trainer.keep_last)
+        model_state = full_model_state(dist, c.model)  # None unless the policy is sharded
+        optim_state = full_optimizer_state(dist, c.model, c.optimizer, c.modules)
+        staged = uses_engine_state(dist)
+        if staged:  # DeepSpeed: every rank writes its optimizer partition into the staging folder
+            tmp = staging_dir(self.run.path, step)
+            if dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            save_engine_state(dist, tmp / "engine")
+            dist.barrier()
+        path = checkpoint_dir(self.run.path, step)
+        if dist.is_main:
+            save_checkpoint(self.run.path, step, c.model, c.tokenizer, c.optimizer, state,
+                            keep_last=self.cfg.trainer.keep_last, model_state=model_state,
+                            optimizer_state=optim_state, staged=staged)
+        dist.barrier()  # the checkpoint is complete before any rank goes on (or exits on a stop)
         self.last_saved_step = step
         return path
 
@@ -139,7 +160,12 @@ class Checkpointer:
         c, st = self.c, load_state(path)
         try:
             load_model_weights(c.model, path)
-            c.optimizer.load_state_dict(st["optimizer"])
+            if is_fsdp2(c.model):  # a full optimizer state: each rank takes its shard
+                load_full_optimizer_state(c.model, c.optimizer, c.modules, st["optimizer"])
+            elif uses_engine_state(self.dist):
+                load_engine_state(self.dist, path / "engine")
+            else:
+                c.optimizer.load_state_dict(st["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             why = " ".join(line.strip() for line in str(exc).splitlines()[:2])  # torch lists every tensor
             raise ConfigError(f"checkpoint {path} does not fit this run's model.path={self.cfg.model.path!r} "
@@ -165,7 +191,13 @@ class Checkpointer:
                                 f"{', '.join(changed)}: the run will not follow the trajectory it would have taken")
         for name in ("metrics.jsonl", "samples.jsonl"):
             cut_log(self.run.path / name, step)
-        set_rng_state(st["rng"])  # last, so nothing above draws from the restored generators
+        if hasattr(self.run, "resume_at"):
+            self.run.resume_at(step)
+        ranks = st.get("rng_ranks") or [st["rng"]]
+        if len(ranks) != self.dist.world_size:
+            self.progress.write(f"anabranch: warning: the checkpoint was written by {len(ranks)} process(es) and "
+                                f"this run has {self.dist.world_size}: sampling will not repeat the original run's")
+        set_rng_state(ranks[self.dist.rank % len(ranks)])  # last: nothing above draws from them
         self.last_saved_step = step
         if step >= self.cfg.trainer.steps:
             self.progress.write(f"resumed from {path} at step {step}, which already reaches "
@@ -191,7 +223,7 @@ class Checkpointer:
             path = self._save_once(step)
             self._close()
             raise RunStopped(f"{self.guard.stop_message(step)}\nlast checkpoint: {path}", path, exit_code=3)
-        if self.stop.requested:
+        if self.dist.any(self.stop.requested):  # a signal to one rank stops them all, together
             path = self._save_once(step)
             name = signal.Signals(self.stop.signum).name
             self._close()
@@ -206,4 +238,4 @@ class Checkpointer:
     def _save_once(self, step: int) -> Path:
         if self.last_saved_step != step:
             self.save(step)
-        return self.run.path / "checkpoints" / f"step-{step:06d}"
+        return checkpoint_dir(self.run.path, step)

@@ -29,6 +29,15 @@ class RunDir:
 
             self._tb = SummaryWriter(str(self.path / "tensorboard"))
 
+    def resume_at(self, step: int) -> None:
+        """Continue after checkpoint ``step``: TensorBoard hides events a crashed run logged past it
+        (``purge_step``: the event files are append-only, so they are masked, not deleted)."""
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.path / "tensorboard"), purge_step=step + 1)
+
     def log_metrics(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")

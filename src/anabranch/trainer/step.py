@@ -8,6 +8,7 @@ optimizer step when the gradient is not finite.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -86,9 +87,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                            max_response_len=max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
-    share = share_prompt_prefix and supports_shared_prefix(model)
+    share_prefix = share_prompt_prefix and supports_shared_prefix(model)
     plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
-                              group_index=rollout.group_index, share_prefix=share)
+                              group_index=rollout.group_index, share_prefix=share_prefix)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
@@ -101,7 +102,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if old_lp is not None:
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
-        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share)
+        old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
     extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns")}
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs
     if params is None:
@@ -112,35 +113,37 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch_loss = 0.0
-        for mb in plan:  # fixed-size (whole groups) in input order, or packed by token budget
-            sl = mb.rows.to(device)
-            fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share,
-                                     entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
-            m = resp_mask[sl]
-            ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
-                              entropy=fo.entropy, hidden=fo.hidden, rewards=rewards.to(device)[sl],
-                              group_index=rollout.group_index[mb.rows].to(device),
-                              prompt_mask=rollout.prompt_mask[mb.rows].to(device), modules=modules or {},
-                              extras={k: v[sl] for k, v in extras.items()})
-            old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
-            sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows].to(device)
-            # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
-            adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap)
-            adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
-            metrics.update(mismatch)
-            loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
-            metrics.update(obj_metrics)
-            for aux_loss in algo.aux_losses:
-                aux, aux_metrics = aux_loss(ctx, m)
-                loss = loss + aux
-                metrics.update(aux_metrics)
-            if ref_lp is not None and kl_coef > 0 and cfg.kl_in == "loss":
-                kl = kl_penalty(fo.log_probs, ref_lp[sl], cfg.kl_estimator)
-                loss = loss + kl_coef * agg(kl, m)
-                metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
-            if cfg.entropy_coef != 0:
-                loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
-            loss.backward() if dist is None else dist.backward(loss)
+        for i, mb in enumerate(plan):  # fixed-size (whole groups) in input order, or packed by token budget
+            sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(plan) - 1)
+            with sync:  # DDP: no gradient all-reduce before the last micro-batch's backward
+                sl = mb.rows.to(device)
+                fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share_prefix,
+                                         entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
+                m = resp_mask[sl]
+                ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
+                                  entropy=fo.entropy, hidden=fo.hidden, rewards=rewards.to(device)[sl],
+                                  group_index=rollout.group_index[mb.rows].to(device),
+                                  prompt_mask=rollout.prompt_mask[mb.rows].to(device), modules=modules or {},
+                                  extras={k: v[sl] for k, v in extras.items()})
+                old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
+                sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows].to(device)
+                # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
+                adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap)
+                adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
+                metrics.update(mismatch)
+                loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
+                metrics.update(obj_metrics)
+                for aux_loss in algo.aux_losses:
+                    aux, aux_metrics = aux_loss(ctx, m)
+                    loss = loss + aux
+                    metrics.update(aux_metrics)
+                if ref_lp is not None and kl_coef > 0 and cfg.kl_in == "loss":
+                    kl = kl_penalty(fo.log_probs, ref_lp[sl], cfg.kl_estimator)
+                    loss = loss + kl_coef * agg(kl, m)
+                    metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
+                if cfg.entropy_coef != 0:
+                    loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
+                loss.backward() if dist is None else dist.backward(loss)
             share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
             epoch_loss += metrics["loss"]
