@@ -58,7 +58,7 @@ def _forward_and_grads(model, ro, share: bool, **kw):
         loss = loss + 0.01 * (out.hidden * torch.linspace(-1, 1, out.hidden.shape[-1])).sum(-1)[
             torch.cat([ro.prompt_mask, ro.response_mask], 1).bool()].sum()
     loss.backward()
-    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("temperature,budget,entropy_grad,hidden", [
@@ -87,6 +87,28 @@ def test_shared_prefix_equals_unshared_forward_and_gradients(model, temperature,
     for n in g_ref:
         assert torch.allclose(g_got[n], g_ref[n], atol=1e-5, rtol=1e-4), n
     model.zero_grad()
+
+
+def test_shared_prefix_with_lora_adapters(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.config import LoraConfig
+    from anabranch.models.lora import apply_lora
+
+    lora = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, alpha=8)).train()
+    with torch.no_grad():  # non-zero adapters, so that they change the outputs
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.2)
+    assert supports_shared_prefix(lora)
+    ro = grouped_rollout(lora.config.vocab_size)
+    ref, g_ref = _forward_and_grads(lora, ro, False, entropy=True)
+    got, g_got = _forward_and_grads(lora, ro, True, entropy=True)
+    m = ro.response_mask.bool()
+    assert torch.allclose(got.log_probs[m], ref.log_probs[m], atol=1e-5)
+    assert g_ref and all(".lora_" in n for n in g_ref)
+    for n in g_ref:
+        assert torch.allclose(g_got[n], g_ref[n], atol=1e-5, rtol=1e-4), n
 
 
 def test_prefix_groups_only_joins_adjacent_rows_with_identical_prompts():
