@@ -61,7 +61,8 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--micro-batch-tokens", str(args.micro_batch_tokens)] + (["--no-share-prefix"] if args.no_share_prefix else [])
+           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+    cmd += ["--no-share-prefix"] if args.no_share_prefix else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

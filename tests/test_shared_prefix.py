@@ -143,6 +143,9 @@ def test_unsupported_models_fall_back(model, tiny_model_dir):
     drop = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1).train()
     assert not supports_shared_prefix(drop)      # one dropout mask would serve n rows
     assert supports_shared_prefix(drop.eval())
+    zero3 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    next(zero3.parameters()).ds_id = 0  # what DeepSpeed ZeRO-3 puts on its partitioned weights
+    assert not supports_shared_prefix(zero3)  # each rank must run the same collectives
     # A fallback still gives the right numbers (the ordinary forward runs).
     ro = grouped_rollout(model.config.vocab_size)
     R = ro.response_ids.shape[1]

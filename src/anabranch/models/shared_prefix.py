@@ -11,11 +11,12 @@ attention mask and the positions ``generate`` used. The result equals the unshar
 float rounding, hidden states and gradients included (tests/test_shared_prefix.py).
 
 This is used only where it is exact and supported (:func:`supports_shared_prefix`): a plain
-Hugging Face decoder (not a DDP/FSDP/DeepSpeed wrapper, whose forward hooks must run), whose cache
-is made of plain full-attention layers (no sliding window or recurrent state), with no gradient
-checkpointing (transformers drops the cache under it) and no active dropout (one mask would be
-shared by the group's rows). Rows share a prompt only when their prompt ids and masks are equal
-and the rows are adjacent (:func:`prefix_groups`); otherwise callers run the ordinary forward.
+Hugging Face decoder (not a DDP/FSDP/DeepSpeed wrapper nor ZeRO-3 partitioned weights, whose
+forward hooks must run the same way on every rank), whose cache is made of plain full-attention
+layers (no sliding window or recurrent state), with no gradient checkpointing (transformers drops
+the cache under it) and no active dropout (one mask would be shared by the group's rows). Rows
+share a prompt only when their prompt ids and masks are equal and the rows are adjacent
+(:func:`prefix_groups`); otherwise callers run the ordinary forward.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def supports_shared_prefix(model) -> bool:
             return False  # FSDP2 gathers sharded weights in forward hooks of the outer modules
     except ImportError:  # pragma: no cover
         pass
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        # DeepSpeed ZeRO-3 partitions the weights and gathers them in every module's forward, a
+        # collective: all ranks must call the decoder equally often, whatever their prompts.
+        return False
     if model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         return False
     if _dropout_active(model):
