@@ -18,8 +18,11 @@ from anabranch.models.shared_prefix import prefix_groups, shared_prefix_hidden, 
 
 
 # Above this many bytes of fp32 logits per micro-batch the LM head is recomputed in the backward
-# pass instead of keeping its logits (256 MiB: 16 sequences x 64 tokens x a 64k vocabulary).
-LOGITS_BUDGET_BYTES = 256 * 2**20
+# pass instead of keeping its logits (512 MiB: 32 sequences x 64 tokens x a 64k vocabulary). W1's
+# 32 x 64 x 49,152 logits (403 MB) fit: recomputing them is a large share of the update of a model
+# whose LM head is most of its FLOPs (the 16.5M benchmark model), a small one of SmolLM2's, and
+# keeping them costs ~0.3 GB (docs/benchmarks.md).
+LOGITS_BUDGET_BYTES = 512 * 2**20
 
 
 @dataclass
