@@ -249,8 +249,12 @@ def test_whole_update_is_the_same_with_and_without_sharing(model, tiny_model_dir
     moved = ref[:start_flat.numel()] - start_flat
     assert moved.abs().sum() > 0
     for key, (params, metrics) in results.items():
-        # Updates (lr = 1: the gradient itself) agree to float rounding, whichever plan and path.
+        # Updates (lr = 1: the gradient itself) agree to float rounding, whichever plan and path:
+        # rounding (sums over rows in another order) is relative to the gradient's scale, so an
+        # entry near zero may differ by more than its own size times a tolerance.
         delta = params[:start_flat.numel()] - start_flat
-        assert torch.allclose(delta, moved, rtol=1e-4, atol=1e-5), (key, float((delta - moved).abs().max()))
-        assert torch.allclose(params, ref, rtol=1e-4, atol=1e-5), key
+        err = float((delta - moved).abs().max())
+        assert err <= 1e-5 * float(moved.abs().max()), (key, err, float(moved.abs().max()))
+        head = params[start_flat.numel():] - ref[start_flat.numel():]
+        assert float(torch.cat([head.abs(), torch.zeros(1)]).max()) <= 1e-5 * float(ref.abs().max()), key
         assert metrics["loss"] == pytest.approx(m_ref["loss"], rel=1e-4, abs=1e-6), key

@@ -6,6 +6,12 @@ any limit (seen on adversarial LaTeX: 1 s limit, 78 s run). Here the timer re-fi
 after the deadline, and the exception derives from ``BaseException`` so ``except Exception``
 cannot eat it, until it reaches :func:`time_limit`'s caller.
 
+A tick that lands in a destructor or a garbage-collector callback cannot propagate: Python hands
+it to ``sys.unraisablehook``. Inside the block that hook is wrapped so that our own timeout is
+dropped there (the next tick raises it where it can propagate) instead of being reported as an
+error, and so that no tick lands while the hook itself runs (seen under pytest: a tick inside its
+unraisable-exception hook turned a timed-out parse into a test failure).
+
 Off the main thread signals cannot be used: there the block runs without a limit and the caller
 must bound it (a worker process).
 """
@@ -13,6 +19,7 @@ must bound it (a worker process).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -26,13 +33,25 @@ def time_limit(seconds: float | None):
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
-    state = {"active": True}
+    state = {"active": True, "in_hook": 0}
 
     def handler(signum, frame):
-        if state["active"]:
+        if state["active"] and not state["in_hook"]:
             raise TimeLimitExceeded(f"over {seconds} s")
 
+    outer_hook = sys.unraisablehook
+
+    def unraisable_hook(unraisable):
+        if isinstance(unraisable.exc_value, TimeLimitExceeded):
+            return  # a tick that hit a destructor or gc callback; the next one propagates
+        state["in_hook"] += 1
+        try:
+            outer_hook(unraisable)
+        finally:
+            state["in_hook"] -= 1
+
     old_handler = signal.signal(signal.SIGALRM, handler)
+    sys.unraisablehook = unraisable_hook
     signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
     try:
         yield
@@ -43,3 +62,4 @@ def time_limit(seconds: float | None):
             state["active"] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_handler)
+            sys.unraisablehook = outer_hook
