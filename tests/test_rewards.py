@@ -1,12 +1,17 @@
+import os
+import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 
 from anabranch.config import ConfigError, RewardConfig, RewardFunctionConfig
 from anabranch.rewards import build_rewards, score
 from anabranch.rewards.math_answer import math_verify_reward
+
+SRC = str(Path(__file__).parents[1] / "src")
 
 
 @pytest.mark.parametrize("completion,answer,expected", [
@@ -52,3 +57,25 @@ def test_unknown_reward_and_bad_module():
         build_rewards(RewardConfig(functions=[RewardFunctionConfig("math_verfy")]))
     with pytest.raises(ConfigError, match="no_such_module"):
         build_rewards(RewardConfig(functions=[RewardFunctionConfig("no_such_module:fn")]))
+
+
+def test_a_timeout_during_the_first_import_does_not_break_sympy():
+    """The first comparison of a process imports math-verify and sympy, which can take seconds: a
+    time limit firing inside that import would leave sympy half-imported for the whole process.
+    Run in a fresh interpreter (sympy not yet imported) with a limit far shorter than the import
+    (without the warm-up outside the limit: a RecursionError or every later comparison False)."""
+    code = (
+        "import sys\n"
+        "import anabranch.rewards.math_answer as m\n"
+        "assert 'sympy' not in sys.modules\n"
+        "m.TIMEOUT_S = 0.05\n"
+        "m.is_equivalent('\\\\boxed{2}', '2')\n"
+        "m.TIMEOUT_S = 5.0\n"
+        "import sympy\n"
+        "print(m.is_equivalent('\\\\boxed{1/2}', '0.5'), m.answers_equivalent('3', '6/2'),"
+        " sympy.printing.sstr(sympy.Rational(1, 2)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "1/2"]

@@ -25,6 +25,19 @@ TIMEOUT_S = 5.0
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
+@lru_cache(maxsize=1)
+def _warm_up() -> None:
+    """Import math-verify (sympy, latex2sympy2, antlr) and run one comparison, outside any time limit.
+
+    A timeout that lands inside an import leaves the half-imported package in ``sys.modules``:
+    sympy then fails in every later use in this process ("module 'sympy' has no attribute
+    'printing'"), torch's own symbolic shapes included. A cold first import can take seconds (seen
+    on a GPU machine with 8 test workers importing at once), so it must not run on the clock."""
+    from math_verify import parse, verify
+
+    verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
+
+
 @lru_cache(maxsize=4096)
 def _parse_gold(answer: str):
     from math_verify import parse
@@ -34,6 +47,7 @@ def _parse_gold(answer: str):
 
 
 def is_equivalent(completion: str, answer: str) -> bool:
+    _warm_up()
     try:
         with time_limit(TIMEOUT_S):
             return _is_equivalent(completion, answer)
@@ -68,6 +82,7 @@ def answers_equivalent(a: str | None, b: str | None) -> bool:
         return True
     from math_verify import verify
 
+    _warm_up()
     try:
         with time_limit(TIMEOUT_S):
             pa, pb = _parse_gold(str(a)), _parse_gold(str(b))
