@@ -206,6 +206,38 @@ def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def test_bf16_training_step_runs_the_lean_update_in_bf16(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
+    """A whole training step under ``distributed.mixed_precision=bf16``: accelerate autocasts only the
+    prepared model's ``forward``, but the lean update calls the decoder and the LM head itself, and
+    generation uses the plain model; the loop's autocast context must cover all of them."""
+    from accelerate.state import AcceleratorState
+
+    import anabranch.trainer.loop as loop
+    from anabranch import train
+    from test_train_e2e import digit_task, tiny_overrides
+
+    dtypes = set()
+    real_update = loop.policy_update
+
+    def update(model, *a, **k):
+        hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+        try:
+            return real_update(model, *a, **k)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(loop, "policy_update", update)
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path, **{
+        "trainer.steps": 1, "trainer.device": "cpu", "distributed.mixed_precision": "bf16",
+        "trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False}))
+    try:
+        result = train(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert dtypes == {torch.bfloat16}
+    assert result.history[0]["loss"] == result.history[0]["loss"]  # finite, not NaN
+
+
 def test_accelerate_configs_parse_with_accelerate():
     from accelerate.commands.config.config_args import load_config_from_file
 

@@ -149,12 +149,14 @@ class Distributed:
     @property
     def sharded(self) -> bool:
         """FSDP or DeepSpeed ZeRO-3: no rank holds the whole model."""
-        if self.accelerator is None or self.world_size == 1:
+        if self.accelerator is None:
             return False
         from anabranch.trainer.sharded_state import is_fsdp2
 
-        if is_fsdp2(self.train_model):
+        if is_fsdp2(self.train_model):  # DTensor parameters, even on a one-GPU FSDP2 launch
             return True
+        if self.world_size == 1:
+            return False
         from accelerate.utils import DistributedType
 
         kind = self.accelerator.distributed_type
@@ -174,6 +176,14 @@ class Distributed:
             raise ConfigError(
                 f"with DeepSpeed, trainer.micro_batch_size ({cfg.trainer.micro_batch_size}) must be >= the "
                 f"sequences per rank per step (rollout.prompts_per_step / processes * rollout.n = {per_rank})")
+
+    def autocast(self):
+        """The launcher's mixed-precision autocast (bf16/fp16) around the trainer's own forward passes.
+
+        accelerate applies it only inside the prepared model's ``forward``; the lean update path
+        calls the decoder and the LM head directly, and generation uses the plain model, so without
+        this context those would silently run in fp32."""
+        return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
 
     def policy(self, model):
         """The model ``policy_update`` should differentiate through."""
@@ -283,7 +293,14 @@ class Distributed:
         return torch.cat([p["rewards"] for p in parts]), g_sources, view
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return
+        if torch.distributed.get_backend() == "gloo":
+            # accelerate's barrier passes device_ids=[local rank], which torch maps to a CUDA device
+            # whenever one is visible: a CPU (gloo) job with more processes than the machine has
+            # GPUs then fails with "invalid device ordinal" (seen on a 1-GPU machine).
+            torch.distributed.barrier()
+        else:
             self.accelerator.wait_for_everyone()
 
     def _sync_extra_params(self) -> None:

@@ -64,7 +64,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
             return None
-        res = greedy_accuracy(c.backend, c.eval_prompts, c.eval_rows, c.rewards, eval_tokens)
+        with dist.autocast():
+            res = greedy_accuracy(c.backend, c.eval_prompts, c.eval_rows, c.rewards, eval_tokens)
         key = "accuracy" if "accuracy" in res else "reward"
         run.log_metrics(step, {f"eval/{key}": res[key]})
         run.write_json(f"eval_{tag}.json", {key: res[key], "n": res["n"], "examples": [
@@ -82,26 +83,31 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         result.accuracy_before = evaluate("before", 0)
     for step in range(start + 1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
-        # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-        batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist)
-        rollout, rows, total, per_source, rewards = batch.rollout, batch.rows, batch.total, batch.per_source, batch.rewards
-        t_gen = batch.t_generate
-        train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
-        adv = compute_advantages(c.algo, c.model, train_rollout, rewards, micro_batch_size=cfg.trainer.micro_batch_size,
-                                 temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
-                                 kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix)
-        metrics = policy_update(
-            dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
-            micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
-            temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
-            ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
-            dist=dist.active, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            share_prompt_prefix=cfg.trainer.share_prompt_prefix,
-        )
+        with dist.autocast():  # mixed precision (bf16/fp16 launches) for every forward of the step
+            # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
+            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist)
+            rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
+                                                         batch.rewards)
+            t_gen = batch.t_generate
+            train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
+            adv = compute_advantages(c.algo, c.model, train_rollout, rewards,
+                                     micro_batch_size=cfg.trainer.micro_batch_size,
+                                     temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
+                                     kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix)
+            metrics = policy_update(
+                dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
+                micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
+                temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
+                ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
+                dist=dist.active, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                share_prompt_prefix=cfg.trainer.share_prompt_prefix,
+            )
         scheduler.step()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen})
+        if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)
+            metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(c.device) / 2**30
         metrics = dist.mean_metrics(metrics)
         metrics.update(rollout_metrics(*dist.gather_rollout(rewards, per_source, rollout), acc_src))
         metrics["lr"] = scheduler.get_last_lr()[0]
