@@ -32,7 +32,7 @@ def test_flowrl_head_trains_checkpoints_and_exports_clean(tiny_model_dir, write_
     assert all(m["flowrl/is_weight_mean"] == pytest.approx(1.0) for m in result.history)
 
     ckpts = Path(result.run_dir) / "checkpoints"
-    states = [torch.load(ckpts / f"step-{s:06d}" / "trainer_state.pt", weights_only=False) for s in (2, 4)]
+    states = [torch.load(ckpts / f"step-{s:06d}" / "trainer_state.pt", weights_only=False, map_location="cpu") for s in (2, 4)]
     heads = [s["modules"]["log_z"] for s in states]
     assert heads[0]["net.0.weight"].shape == (64, 64)
     assert not torch.equal(heads[0]["net.8.weight"], heads[1]["net.8.weight"])  # the head is trained

@@ -127,14 +127,24 @@ def test_bounded_parallel_pool():
     assert [r.passed for r in res] == [1, 0, 1, 0, 1, 0, 0]
 
 
-def test_no_processes_left_behind():
+def test_no_processes_left_behind(monkeypatch):
+    """Only this test's sandbox is looked for (its HOME, the work folder, carries a unique token):
+    other tests' sandboxes may be running at the same time (pytest-xdist)."""
+    import secrets
+    import tempfile
+
+    token = f"leftover-check-{secrets.token_hex(6)}-"
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix="", **kw: real_mkdtemp(prefix=token + prefix, **kw))
     before = {p for p in os.listdir("/proc") if p.isdigit()}
-    _run("import time\ntime.sleep(100)")
+    res, _ = _run("import time\ntime.sleep(100)")
+    assert res.passed == 0 and res.timed_out
     time.sleep(0.2)
     after = {p for p in os.listdir("/proc") if p.isdigit()}
     for pid in after - before:
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            env = open(f"/proc/{pid}/environ", "rb").read()
         except OSError:
             continue
-        assert b"sandbox_harness" not in cmd
+        assert not (b"sandbox_harness" in cmd and token.encode() in env), cmd
