@@ -124,11 +124,23 @@ def chunked_response_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets:
                            chunk_rows: int = 4, recompute: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of ``targets`` [B, R] given the hidden states [B, R, H] that predict them.
 
-    ``recompute=False`` skips the checkpointing: autograd then keeps each chunk's logits for the
-    backward pass (as much memory as unchunked logits, one LM-head matmul less).
+    ``recompute=False`` skips the checkpointing: the logits are kept for the backward pass (as much
+    memory as unchunked logits, one LM-head matmul less), in one buffer for the whole micro-batch
+    (:mod:`anabranch.models.fused_head`).
     """
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    use_ckpt = recompute and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    use_ckpt = recompute and needs_grad
+    if not recompute:
+        # Kept logits: one autograd node for the whole micro-batch, whose backward pass computes
+        # the head's gradients with one matmul each instead of one per chunk (fused_head.py).
+        # No-grad passes (old and reference log-probs) take the same path, so that identical
+        # weights give bitwise identical log-probs (ratio exactly 1, KL exactly 0 at the start).
+        from anabranch.models.fused_head import fused_head_log_prob
+
+        lp, ent = fused_head_log_prob(hidden, head.weight, head.bias, targets, inv_temp, entropy, entropy_grad,
+                                      chunk_tokens=chunk_rows * targets.shape[-1])
+        return lp, (ent if entropy else None)
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_rows):
         args = (hidden[start:start + chunk_rows], head.weight, head.bias, targets[start:start + chunk_rows],

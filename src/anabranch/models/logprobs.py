@@ -40,7 +40,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                      temperature: float = 1.0, entropy: bool = False, entropy_grad: bool = False,
                      hidden: bool = False, chunk_rows: int = 4, lean: bool = True,
-                     logits_budget_bytes: int = LOGITS_BUDGET_BYTES, share_prefix: bool = False) -> ForwardOut:
+                     logits_budget_bytes: int | None = None, share_prefix: bool = False) -> ForwardOut:
     """Forward ``[prompt | response]`` sequences; return log π(response tokens).
 
     With ``lean`` (and a model whose logits are a plain linear head) the backbone runs alone and the
@@ -66,7 +66,8 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             h_pred = torch.cat([h_prompt[group, -1:], h_resp[:, :-1]], dim=1)
             h = torch.cat([h_prompt[group], h_resp], dim=1) if hidden else None
         head = model.get_output_embeddings()
-        recompute = input_ids.shape[0] * response_len * head.out_features * 4 > logits_budget_bytes
+        budget = LOGITS_BUDGET_BYTES if logits_budget_bytes is None else logits_budget_bytes
+        recompute = input_ids.shape[0] * response_len * head.out_features * 4 > budget
         lp, ent = chunked_response_stats(h_pred, head, input_ids[:, -response_len:],
                                          temperature, entropy, entropy_grad, chunk_rows, recompute)
         return ForwardOut(log_probs=lp, entropy=ent, hidden=h if hidden else None)
