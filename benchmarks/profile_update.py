@@ -2,6 +2,9 @@
 
     python benchmarks/profile_update.py --model tiny
     python benchmarks/profile_update.py --model smollm2 --micro-batch-tokens 8192
+    python benchmarks/profile_update.py --model PATH --device cuda --autocast bf16 --prompts 32 --tokens 128
+
+``--model`` takes tiny, smollm2 or a model folder / packaged name.
 
 Random response tokens (the update's cost does not depend on what was sampled); one untimed update,
 then one under ``torch.profiler`` whose top operators by CPU time are printed.
@@ -31,6 +34,13 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--no-share-prefix", action="store_true", help="trainer.share_prompt_prefix=false")
     ap.add_argument("--repeats", type=int, default=2, help="unprofiled updates timed before the profiled one")
+    ap.add_argument("--shapes", action="store_true", help="group the profile by input shapes")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--autocast", choices=["no", "bf16"], default="no", help="bf16 autocast, as accelerate's mixed precision")
+    ap.add_argument("--micro-batch-size", type=int, default=0, help="sequences per micro-batch (0: the whole batch)")
+    ap.add_argument("--logits-budget-mib", type=int, default=0,
+                    help="LM-head logits kept below this per micro-batch, else recomputed (0: the default)")
+    ap.add_argument("--label", default="", help="printed with the timings")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -40,12 +50,16 @@ def main() -> None:
     from anabranch.models.loading import load_model, load_tokenizer
     from anabranch.rollout.base import Rollout
     from anabranch.trainer.components import adamw
+    from anabranch.models import logprobs
     from anabranch.trainer.step import policy_update
 
     torch.set_num_threads(args.threads)
+    if args.logits_budget_mib:
+        logprobs.LOGITS_BUDGET_BYTES = args.logits_budget_mib * 2**20
+    device = torch.device(args.device)
     path = model_folder(args.model)
     tok = load_tokenizer(ModelConfig(path=path))
-    model = load_model(ModelConfig(path=path), torch.device("cpu"))
+    model = load_model(ModelConfig(path=path), device)
     prompts, _ = arithmetic_prompts(tok, args.prompts)
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     B, R = args.prompts * args.n, args.tokens
@@ -57,19 +71,33 @@ def main() -> None:
     opt = adamw(model.parameters(), lr=1e-6)
     rewards = torch.rand(B)
     adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
-    kw = dict(micro_batch_size=B, grad_clip=1.0, temperature=1.0, max_response_len=R,
+    kw = dict(micro_batch_size=args.micro_batch_size or B, grad_clip=1.0, temperature=1.0, max_response_len=R,
               micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
     print(f"prompt tokens per sequence: {enc['attention_mask'].sum(-1).tolist()}; {B} x {R} response tokens")
-    policy_update(model, opt, ro, adv, rewards, algo, **kw)
+    cuda = device.type == "cuda"
+
+    def update():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            policy_update(model, opt, ro, adv, rewards, algo, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+
+    update()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.repeats):
         cpu, wall = time.process_time(), time.perf_counter()
-        policy_update(model, opt, ro, adv, rewards, algo, **kw)
-        print(f"update: wall {time.perf_counter() - wall:.2f} s, CPU {time.process_time() - cpu:.2f} s")
+        update()
+        print(f"update{' ' + args.label if args.label else ''}: wall {time.perf_counter() - wall:.3f} s, "
+              f"CPU {time.process_time() - cpu:.2f} s"
+              + (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""))
     cpu, wall = time.process_time(), time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        policy_update(model, opt, ro, adv, rewards, algo, **kw)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=args.shapes) as prof:
+        update()
     print(f"update: wall {time.perf_counter() - wall:.2f} s, CPU {time.process_time() - cpu:.2f} s (profiled)")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages(group_by_input_shape=args.shapes).table(sort_by=sort, row_limit=20 if not args.shapes else 30))
 
 
 if __name__ == "__main__":
