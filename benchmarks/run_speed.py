@@ -32,16 +32,14 @@ def run_speed(run_dir: Path, skip: int = 1) -> dict:
 
     step_s, gen_s = mean("time/step_s"), mean("time/generate_s")
     tokens = mean("response_length/mean") * batch
-    evals = {k: r[k] for r in rows for k in r if k.startswith("eval/")}
-    first_eval = next((r for r in rows if any(k.startswith("eval/") for k in r)), {})
+    # Written at the end of a run; an interrupted run has no before/after accuracy to report.
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     return {
         "run": run_dir.name, "steps": len(steps), "timed": len(timed), "batch": batch,
         "s_per_step": step_s, "rollout_s": gen_s, "update_s": step_s - gen_s,
         "gen_tok_s_rollout": tokens / gen_s if gen_s else float("nan"), "gen_tok_s_step": tokens / step_s,
         "reward_first": steps[0].get("reward/mean"), "reward_last": steps[-1].get("reward/mean"),
-        "acc_before": summary.get("accuracy_before", next(iter(first_eval.values()), None)),
-        "acc_after": summary.get("accuracy_after", next(iter(evals.values()), None)),
+        "acc_before": summary.get("accuracy_before"), "acc_after": summary.get("accuracy_after"),
         "gpu_peak_gib": max((r.get("memory/gpu_peak_gib", 0.0) for r in steps), default=0.0) or None,
     }
 
