@@ -55,6 +55,13 @@ def _model_source(model, tokenizer) -> tuple[str, tempfile.TemporaryDirectory | 
     return tmp.name, tmp
 
 
+def engine_max_model_len(model, cfg: RolloutConfig) -> int:
+    """``rollout.vllm_max_model_len``, but no longer than the model's own context: vLLM refuses to
+    start past ``max_position_embeddings`` (rotary positions beyond it are garbage)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return min(cfg.vllm_max_model_len, int(limit)) if limit else cfg.vllm_max_model_len
+
+
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMBackend:
     def __init__(self, model, tokenizer, cfg: RolloutConfig, **engine_kwargs):
@@ -71,7 +78,7 @@ class VLLMBackend:
         path, self._tmp = _model_source(model, tokenizer)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
         kwargs = dict(model=path, tokenizer=path, dtype=dtype, enable_prefix_caching=True,
-                      logprobs_mode="processed_logprobs", max_model_len=cfg.vllm_max_model_len,
+                      logprobs_mode="processed_logprobs", max_model_len=engine_max_model_len(model, cfg),
                       seed=0, enforce_eager=True)
         if device.type == "cuda":
             kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
