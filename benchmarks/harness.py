@@ -33,6 +33,9 @@ class Workload:
     threads: int = 2
     micro_batch_tokens: int = 8192  # anabranch's token budget per micro-batch
     share_prompt_prefix: bool = True  # anabranch's trainer.share_prompt_prefix (each prompt runs once per group)
+    # glibc keeps freed memory for reuse (anabranch's trainer.keep_freed_host_memory, on by default on
+    # CPU); run_trl applies it only when asked, to show what the same setting does for TRL.
+    keep_freed_memory: bool = True
 
 
 @dataclass
@@ -121,6 +124,10 @@ class AnabranchRunner:
 
         torch.set_num_threads(w.threads)
         torch.manual_seed(0)
+        if w.keep_freed_memory:
+            from anabranch.trainer.host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory()
         t0 = time.perf_counter()
         self.w, self.backend_name = w, backend
         self.tok = load_tokenizer(ModelConfig(path=w.model))
@@ -185,6 +192,10 @@ def run_trl(w: Workload) -> RunResult:
 
     torch.set_num_threads(w.threads)
     torch.manual_seed(0)
+    if w.keep_freed_memory:
+        from anabranch.trainer.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     t0 = time.perf_counter()
     tok = load_tokenizer(ModelConfig(path=w.model))
     prompts, answers = arithmetic_prompts(tok, w.prompts_per_step * (w.warmup + w.steps))

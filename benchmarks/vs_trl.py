@@ -42,6 +42,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--no-share-prefix", action="store_true",
                     help="anabranch runs every sequence's prompt (trainer.share_prompt_prefix=false)")
+    ap.add_argument("--no-keep-freed-memory", action="store_true",
+                    help="anabranch with trainer.keep_freed_host_memory=false (glibc's default malloc behaviour)")
+    ap.add_argument("--trl-keep-freed-memory", action="store_true",
+                    help="TRL with the same malloc setting as anabranch's default (trainer/host_memory.py)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
@@ -52,7 +56,9 @@ def parse() -> argparse.Namespace:
 def worker(args) -> None:
     w = Workload(model=args.model_dir, prompts_per_step=args.prompts, n=args.n, tokens=args.tokens,
                  warmup=args.warmup, steps=args.steps, threads=args.threads,
-                 micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
+                 micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
+                 keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
+                                    else args.trl_keep_freed_memory))
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
     print("RESULT " + res.to_json(), flush=True)
 
@@ -63,6 +69,8 @@ def child(args, system: str, model_dir: str) -> RunResult:
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
            "--micro-batch-tokens", str(args.micro_batch_tokens)]
     cmd += ["--no-share-prefix"] if args.no_share_prefix else []
+    cmd += ["--no-keep-freed-memory"] if args.no_keep_freed_memory else []
+    cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -104,7 +112,8 @@ def main() -> None:
     table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
-          f"{args.rounds} round(s) after {args.warmup} warm-up")
+          f"{args.rounds} round(s) after {args.warmup} warm-up; freed memory kept by anabranch: "
+          f"{not args.no_keep_freed_memory}, by TRL: {args.trl_keep_freed_memory}")
     shared = "each prompt once per group" if not args.no_share_prefix else "every sequence's prompt"
     print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step "
           f"(the tokens it computes: {shared})")

@@ -119,3 +119,39 @@ def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_statistics_fp32():
     assert torch.allclose(lp.double(), ref_lp, atol=0.05) and not torch.equal(lp.double(), ref_lp)
     assert torch.allclose(ent.double(), ref_ent, atol=0.05)
     assert torch.allclose(h.grad.double(), ref_gh, atol=0.05) and torch.allclose(w.grad.double(), ref_gw, atol=0.05)
+
+
+def test_scratch_buffers_are_reused_and_never_shared_by_live_graphs():
+    """The [N, V] buffer goes back to SCRATCH after the backward pass (or at once without grad) and
+    the next call reuses its memory; graphs still waiting for their backward pass keep their own."""
+    from anabranch.models.fused_head import SCRATCH
+
+    SCRATCH.clear()
+    g = torch.Generator().manual_seed(4)
+    B, R, H, V = 2, 4, 8, 60
+    w = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    hs = [torch.randn(B, R, H, generator=g).requires_grad_() for _ in range(3)]
+    targets = torch.randint(0, V, (B, R), generator=g)
+    weights = torch.randn(B, R, generator=g)
+
+    def grads(i):  # float64 reference gradients of (lp · weights).sum() for hs[i]
+        return reference(hs[i], w, None, targets, 1.0, True, weights, torch.zeros(B, R))[2]
+
+    # Two graphs alive at once, with a no-grad pass between them, backward in reverse order.
+    lp0, _ = fused_head_log_prob(hs[0], w, None, targets, 1.0, True, True, chunk_tokens=3)
+    with torch.no_grad():
+        lp_ng, _ = fused_head_log_prob(hs[2], w, None, targets, 1.0, True, False, chunk_tokens=3)
+    lp1, _ = fused_head_log_prob(hs[1], w, None, targets, 1.0, True, True, chunk_tokens=3)
+    assert torch.allclose(lp_ng.double(), reference(hs[2], w, None, targets, 1.0, False, weights, None)[0], atol=1e-5)
+    for i, lp in ((1, lp1), (0, lp0)):
+        got = torch.autograd.grad((lp * weights).sum(), [hs[i], w])
+        for a, b in zip(got, grads(i)):
+            assert torch.allclose(a.double(), b, atol=1e-5)
+    kept = SCRATCH._free["logits"]
+    # The next call of the same size computes into the kept memory and is still right.
+    lp2, _ = fused_head_log_prob(hs[2], w, None, targets, 1.0, True, True, chunk_tokens=3)
+    assert SCRATCH._free.get("logits") is None  # handed out to the pending graph
+    got = torch.autograd.grad((lp2 * weights).sum(), [hs[2], w])
+    for a, b in zip(got, grads(2)):
+        assert torch.allclose(a.double(), b, atol=1e-5)
+    assert SCRATCH._free["logits"].data_ptr() == kept.data_ptr()

@@ -229,6 +229,9 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0
+    # On CPU, glibc's malloc keeps freed memory for reuse instead of unmapping it, so the step's
+    # large tensors are not page-faulted in again every step (trainer/host_memory.py).
+    keep_freed_host_memory: bool = True
     eval_before: bool = True
     eval_after: bool = True
     eval_every: int = 0

@@ -22,6 +22,12 @@ temperature ``T``:
 Memory is one [N, V] fp32 buffer (what the kept chunk logits cost before) plus one chunk's
 temporaries. The buffer is modified in place by the backward pass, so a second backward through
 the same graph fails loudly (the saved buffer's version changed).
+
+On CPU both (the [N, V] buffer and the chunk's ``exp``) come from :data:`SCRATCH` and go back to it
+when the backward pass is done (at once for a pass without gradients): the next micro-batch and the
+next step reuse them. Allocated afresh, a block that large is a new mapping whose pages the kernel
+faults in and zeroes one by one (SmolLM2's W1 logits: 403 MB, about 100,000 faults, every update).
+What is kept is bounded: this node runs only when the logits fit ``LOGITS_BUDGET_BYTES`` (512 MiB).
 """
 
 from __future__ import annotations
@@ -29,6 +35,35 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+
+class ScratchBuffers:
+    """Large fp32 CPU buffers kept for reuse, one per role; each grows to the largest request.
+
+    ``take`` hands the role's buffer out (it is not shared while out); ``give`` returns it. A
+    buffer that is never given back (a graph dropped before its backward pass) is simply freed.
+    Off the CPU (CUDA has its own caching allocator) every ``take`` allocates."""
+
+    def __init__(self):
+        self._free: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(view [rows, cols], base)``; hand ``base`` back to :meth:`give`."""
+        numel = rows * cols
+        base = self._free.pop(role, None) if device.type == "cpu" else None
+        if base is None or base.numel() < numel:
+            base = torch.empty(numel, dtype=torch.float32, device=device)
+        return base[:numel].view(rows, cols), base
+
+    def give(self, role: str, base: torch.Tensor) -> None:
+        if base.device.type == "cpu":
+            self._free[role] = base
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+SCRATCH = ScratchBuffers()
 
 
 class _FusedHeadLogProb(torch.autograd.Function):
@@ -41,7 +76,13 @@ class _FusedHeadLogProb(torch.autograd.Function):
         mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(
             h.dtype, weight.dtype)
         with torch.autocast(dev, enabled=False):
-            lp, ent, saved = _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chunk, mm_dtype)
+            lp, ent, saved, base = _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chunk,
+                                            mm_dtype)
+        if any(ctx.needs_input_grad[:3]):  # a graph that will call backward (False under no_grad)
+            ctx.base = base  # back to SCRATCH after the backward pass
+        else:
+            SCRATCH.give("logits", base)
+            saved = ()
         ctx.inv_temp, ctx.chunk, ctx.has_bias, ctx.mm_dtype = inv_temp, chunk, bias is not None, mm_dtype
         ctx.entropy_grad = want_entropy and entropy_grad
         ctx.save_for_backward(h, weight, targets, *saved)
@@ -61,9 +102,10 @@ class _FusedHeadLogProb(torch.autograd.Function):
                 gl = g_lp[s:s + chunk, None].float()
                 if ctx.entropy_grad:  # g holds d: −p ⊙ (g_lp + g_ent·(d − ⟨p, d⟩))
                     log_total, mean_d = stats
-                    p = (g - log_total[s:s + chunk]).exp_()
+                    p, p_base = SCRATCH.take("exp", *g.shape, g.device)
+                    torch.sub(g, log_total[s:s + chunk], out=p).exp_()
                     g.sub_(mean_d[s:s + chunk]).mul_(g_ent[s:s + chunk, None].float()).add_(gl).mul_(p).neg_()
-                    del p
+                    SCRATCH.give("exp", p_base)
                 else:  # g holds p
                     g.mul_(-gl)
                 g.scatter_add_(-1, targets[s:s + chunk, None], gl)
@@ -73,6 +115,8 @@ class _FusedHeadLogProb(torch.autograd.Function):
             G = buf if ctx.mm_dtype == torch.float32 else buf.to(ctx.mm_dtype)
             grad_h = (G @ weight.to(G.dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
             grad_w = (G.t() @ h.to(G.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            del G, buf
+            SCRATCH.give("logits", ctx.base)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
@@ -80,13 +124,16 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
     """The forward pass without autocast: ``(log π(y), entropy or None, tensors for the backward)``."""
     n = h.shape[0]
     entropy_grad = want_entropy and entropy_grad
+    buf, base = SCRATCH.take("logits", n, weight.shape[0], h.device)
     if mm_dtype == torch.float32:
         h32, w32 = h.float(), weight.float()
-        buf = torch.mm(h32, w32.t()) if bias is None else torch.addmm(bias.float(), h32, w32.t())
+        if bias is None:
+            torch.mm(h32, w32.t(), out=buf)
+        else:
+            torch.addmm(bias.float(), h32, w32.t(), out=buf)
     else:  # half-precision matmuls, a chunk at a time, into the fp32 buffer
         w = weight.to(mm_dtype)
         b = None if bias is None else bias.to(mm_dtype)
-        buf = torch.empty(n, weight.shape[0], dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk):
             buf[s:s + chunk] = torch.nn.functional.linear(h[s:s + chunk].to(mm_dtype), w, b)
     lp = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -101,7 +148,8 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
         z_y = z.gather(-1, targets[s:s + chunk, None])
         d = z.sub_(m)
         if want_entropy:
-            e = d.exp()
+            e, e_base = SCRATCH.take("exp", *d.shape, d.device)
+            torch.exp(d, out=e)
             total = e.sum(-1, keepdim=True)
             md = torch.linalg.vecdot(e, d)[:, None] / total  # ⟨p, d⟩
             lt = total.log()
@@ -110,13 +158,13 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
                 log_total[s:s + chunk], mean_d[s:s + chunk] = lt, md
             else:
                 torch.div(e, total, out=z)
-            del e
+            SCRATCH.give("exp", e_base)
         else:
             total = d.exp_().sum(-1, keepdim=True)
             lt = total.log()
             z.div_(total)
         lp[s:s + chunk] = (z_y - m - lt).squeeze(-1)
-    return lp, ent, ((buf, log_total, mean_d) if entropy_grad else (buf,))
+    return lp, ent, ((buf, log_total, mean_d) if entropy_grad else (buf,)), base
 
 
 def fused_head_log_prob(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

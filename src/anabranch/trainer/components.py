@@ -20,6 +20,7 @@ from anabranch.models.loading import load_model, load_tokenizer
 from anabranch.models.lora import apply_lora, reference_policy
 from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rollout import ROLLOUT_BACKENDS
+from anabranch.trainer.host_memory import keep_freed_host_memory
 from anabranch.trainer.preflight import check_paths, check_prompt_lengths
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ def build(cfg: Config) -> Components:
         torch.set_num_threads(cfg.trainer.num_threads)
     seed_everything(cfg.trainer.seed)
     device = pick_device(cfg.trainer.device)
+    if device.type == "cpu" and cfg.trainer.keep_freed_host_memory:
+        keep_freed_host_memory()
 
     tokenizer = load_tokenizer(cfg.model)
     train_rows, eval_rows = load_task(cfg.task)
