@@ -65,6 +65,13 @@ class ScratchBuffers:
 
 SCRATCH = ScratchBuffers()
 
+# The softmax statistics make about nine passes over each chunk of logits (forward and backward);
+# a chunk that stays in the CPU's caches between passes makes them cache-bound instead of
+# memory-bound. With SmolLM2's 49,152-token vocabulary: 42 rows. Measured on the 2-core EPYC
+# (L2 512 KiB/core, L3 32 MiB), the head's forward + backward over 2,048 tokens took about
+# 0.5 s less in chunks of 16–64 rows than of 256 (50 MB) rows, for both W1 models.
+CPU_CHUNK_BYTES = 8 * 2**20
+
 
 class _FusedHeadLogProb(torch.autograd.Function):
     @staticmethod
@@ -173,9 +180,12 @@ def fused_head_log_prob(hidden: torch.Tensor, weight: torch.Tensor, bias: Option
     """``(log π(targets), entropy or a 0-d zero)`` [..] for hidden states [..., H] through the head.
 
     ``hidden`` [B, R, H] and ``targets`` [B, R] give [B, R] results; the softmax statistics run
-    ``chunk_tokens`` rows of the [B·R, V] logits at a time."""
+    ``chunk_tokens`` rows of the [B·R, V] logits at a time, on CPU at most :data:`CPU_CHUNK_BYTES`
+    of them."""
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
+    if h.device.type == "cpu":
+        chunk_tokens = min(chunk_tokens, CPU_CHUNK_BYTES // (4 * weight.shape[0]))
     lp, ent = _FusedHeadLogProb.apply(h, weight, bias, targets.reshape(-1), inv_temp, entropy,
                                       entropy_grad and torch.is_grad_enabled(), max(1, chunk_tokens))
     return lp.view(shape), (ent.view(shape) if entropy else ent)
