@@ -66,11 +66,11 @@ class ScratchBuffers:
 SCRATCH = ScratchBuffers()
 
 # The softmax statistics make about nine passes over each chunk of logits (forward and backward);
-# a chunk that stays in the CPU's caches between passes makes them cache-bound instead of
-# memory-bound. With SmolLM2's 49,152-token vocabulary: 42 rows. Measured on the 2-core EPYC
-# (L2 512 KiB/core, L3 32 MiB), the head's forward + backward over 2,048 tokens took about
-# 0.5 s less in chunks of 16–64 rows than of 256 (50 MB) rows, for both W1 models.
-CPU_CHUNK_BYTES = 8 * 2**20
+# a chunk that stays in the CPU's caches between passes makes them cheaper than a 50 MB one that
+# streams from memory. With SmolLM2's 49,152-token vocabulary: 16 rows. The head's forward +
+# backward over W1's 2,048 tokens on the 2-core EPYC (benchmarks/fused_head_chunks.py, medians of
+# 6): SmolLM2 3.09 s in 256-row chunks, 2.77 s in 42, 2.48 s in 16; tiny 1.72, 1.65, 1.56 s.
+CPU_CHUNK_BYTES = 3 * 2**20
 
 
 class _FusedHeadLogProb(torch.autograd.Function):
