@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from anabranch.trainer.host_memory import keep_freed_host_memory
+
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 LR = 1e-6
 
@@ -125,8 +127,6 @@ class AnabranchRunner:
         torch.set_num_threads(w.threads)
         torch.manual_seed(0)
         if w.keep_freed_memory:
-            from anabranch.trainer.host_memory import keep_freed_host_memory
-
             keep_freed_host_memory()
         t0 = time.perf_counter()
         self.w, self.backend_name = w, backend
@@ -193,8 +193,6 @@ def run_trl(w: Workload) -> RunResult:
     torch.set_num_threads(w.threads)
     torch.manual_seed(0)
     if w.keep_freed_memory:
-        from anabranch.trainer.host_memory import keep_freed_host_memory
-
         keep_freed_host_memory()
     t0 = time.perf_counter()
     tok = load_tokenizer(ModelConfig(path=w.model))

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--logits-budget-mib", type=int, default=0,
                     help="LM-head logits kept below this per micro-batch, else recomputed (0: the default)")
     ap.add_argument("--label", default="", help="printed with the timings")
+    ap.add_argument("--no-keep-freed-memory", action="store_true",
+                    help="glibc's default malloc behaviour (the trainer keeps freed memory on CPU)")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -54,6 +56,10 @@ def main() -> None:
     from anabranch.trainer.step import policy_update
 
     torch.set_num_threads(args.threads)
+    if args.device == "cpu" and not args.no_keep_freed_memory:  # as the trainer does on CPU
+        from anabranch.trainer.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     if args.logits_budget_mib:
         logprobs.LOGITS_BUDGET_BYTES = args.logits_budget_mib * 2**20
     device = torch.device(args.device)

@@ -104,15 +104,15 @@ class _FusedHeadLogProb(torch.autograd.Function):
         h, weight, targets, buf, *stats = ctx.saved_tensors
         with torch.autocast(h.device.type, enabled=False):
             chunk = ctx.chunk
+            if ctx.entropy_grad:  # p is recomputed into one chunk-sized scratch
+                log_total, mean_d = stats
+                p_all, p_base = SCRATCH.take("exp", min(chunk, buf.shape[0]), buf.shape[1], buf.device)
             for s in range(0, buf.shape[0], chunk):
                 g = buf[s:s + chunk]
                 gl = g_lp[s:s + chunk, None].float()
                 if ctx.entropy_grad:  # g holds d: −p ⊙ (g_lp + g_ent·(d − ⟨p, d⟩))
-                    log_total, mean_d = stats
-                    p, p_base = SCRATCH.take("exp", *g.shape, g.device)
-                    torch.sub(g, log_total[s:s + chunk], out=p).exp_()
+                    p = torch.sub(g, log_total[s:s + chunk], out=p_all[:g.shape[0]]).exp_()
                     g.sub_(mean_d[s:s + chunk]).mul_(g_ent[s:s + chunk, None].float()).add_(gl).mul_(p).neg_()
-                    SCRATCH.give("exp", p_base)
                 else:  # g holds p
                     g.mul_(-gl)
                 g.scatter_add_(-1, targets[s:s + chunk, None], gl)
@@ -124,6 +124,8 @@ class _FusedHeadLogProb(torch.autograd.Function):
             grad_w = (G.t() @ h.to(G.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
             del G, buf
             SCRATCH.give("logits", ctx.base)
+            if ctx.entropy_grad:
+                SCRATCH.give("exp", p_base)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
@@ -147,6 +149,8 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
     ent = torch.empty(n, dtype=torch.float32, device=h.device) if want_entropy else None
     log_total = torch.empty(n, 1, dtype=torch.float32, device=h.device) if entropy_grad else None
     mean_d = torch.empty(n, 1, dtype=torch.float32, device=h.device) if entropy_grad else None
+    if want_entropy:  # exp(d) of one chunk at a time, in one scratch
+        e_all, e_base = SCRATCH.take("exp", min(chunk, n), weight.shape[0], h.device)
     for s in range(0, n, chunk):
         z = buf[s:s + chunk]
         if inv_temp != 1.0:
@@ -155,8 +159,7 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
         z_y = z.gather(-1, targets[s:s + chunk, None])
         d = z.sub_(m)
         if want_entropy:
-            e, e_base = SCRATCH.take("exp", *d.shape, d.device)
-            torch.exp(d, out=e)
+            e = torch.exp(d, out=e_all[:d.shape[0]])
             total = e.sum(-1, keepdim=True)
             md = torch.linalg.vecdot(e, d)[:, None] / total  # ⟨p, d⟩
             lt = total.log()
@@ -165,12 +168,13 @@ def _forward(h, weight, bias, targets, inv_temp, want_entropy, entropy_grad, chu
                 log_total[s:s + chunk], mean_d[s:s + chunk] = lt, md
             else:
                 torch.div(e, total, out=z)
-            SCRATCH.give("exp", e_base)
         else:
             total = d.exp_().sum(-1, keepdim=True)
             lt = total.log()
             z.div_(total)
         lp[s:s + chunk] = (z_y - m - lt).squeeze(-1)
+    if want_entropy:
+        SCRATCH.give("exp", e_base)
     return lp, ent, ((buf, log_total, mean_d) if entropy_grad else (buf,)), base
 
 
