@@ -202,6 +202,8 @@ def test_bf16_mixed_precision_switch_autocasts_the_policy(tiny_model_dir):
         assert seen == [torch.bfloat16]
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert dist.is_main and Distributed().active is None
+        # The precision the vLLM engine follows (rollout.vllm_dtype=auto on a GPU).
+        assert dist.mixed_precision == "bf16" and Distributed().mixed_precision == "no"
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

@@ -86,6 +86,13 @@ class RolloutConfig:
     # backend=vllm only: the engine's context length, and its share of GPU memory on CUDA.
     vllm_max_model_len: int = 2048
     vllm_gpu_memory_utilization: float = 0.3
+    # backend=vllm: the engine's weight precision. "auto": the trainer's mixed precision on a GPU
+    # (bf16/fp16 autocast: the engine holds bf16/fp16 copies of the fp32 master weights), else the
+    # model's dtype. Or float32, bfloat16, float16.
+    vllm_dtype: str = "auto"
+    # backend=vllm on a GPU: capture CUDA graphs of the decode step (vLLM's compiled mode; the
+    # engine starts slower). CPU engines always run eagerly (no gain measured there).
+    vllm_cuda_graphs: bool = True
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
     vllm_cpu_kv_cache_mib: int = 512
 

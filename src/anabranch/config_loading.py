@@ -221,6 +221,8 @@ def validate(cfg: Config) -> None:
         (cfg.distributed.num_processes >= 1, "distributed.num_processes", "must be >= 1"),
         (cfg.distributed.mixed_precision in ("no", "bf16", "fp16"), "distributed.mixed_precision",
          "must be one of no, bf16, fp16"),
+        (cfg.rollout.vllm_dtype in ("auto", "float32", "bfloat16", "float16"), "rollout.vllm_dtype",
+         "must be one of auto, float32, bfloat16, float16"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
         (cfg.trainer.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 keeps every checkpoint)"),
         (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),

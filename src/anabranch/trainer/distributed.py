@@ -177,6 +177,11 @@ class Distributed:
                 f"with DeepSpeed, trainer.micro_batch_size ({cfg.trainer.micro_batch_size}) must be >= the "
                 f"sequences per rank per step (rollout.prompts_per_step / processes * rollout.n = {per_rank})")
 
+    @property
+    def mixed_precision(self) -> str:
+        """``no``, ``bf16`` or ``fp16``: the precision :meth:`autocast` runs the forward passes in."""
+        return str(self.accelerator.mixed_precision) if self.accelerator is not None else "no"
+
     def autocast(self):
         """The launcher's mixed-precision autocast (bf16/fp16) around the trainer's own forward passes.
 

@@ -50,7 +50,7 @@ def train(cfg: Config) -> TrainResult:
 def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
-    c = build(cfg)
+    c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
     run = RunDir(cfg) if dist.is_main else NullRunDir(cfg)
     sampler = PromptSampler(len(c.train_rows), cfg.trainer.seed)
