@@ -38,6 +38,7 @@ class Workload:
     # glibc keeps freed memory for reuse (anabranch's trainer.keep_freed_host_memory, on by default on
     # CPU); run_trl applies it only when asked, to show what the same setting does for TRL.
     keep_freed_memory: bool = True
+    vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
 
 
 @dataclass
@@ -134,8 +135,15 @@ class AnabranchRunner:
         self.model = load_model(ModelConfig(path=w.model), torch.device("cpu"), trainable=True)
         self.rollout_cfg = RolloutConfig(backend=backend, n=w.n, prompts_per_step=w.prompts_per_step,
                                          max_new_tokens=w.tokens, min_new_tokens=w.tokens,
-                                         vllm_max_model_len=1024)
-        self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg)
+                                         vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib)
+        extra = {}
+        if backend == "vllm":  # the KV cache `anabranch train` would give the engine (components.py)
+            from anabranch.rollout.vllm_backend import kv_cache_tokens
+
+            prompts, _ = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
+            longest = max(len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+            extra["kv_tokens"] = kv_cache_tokens(w.prompts_per_step * w.n, longest, w.tokens)
+        self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg, **extra)
         self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
         self.opt = adamw(self.model.parameters(), lr=LR, weight_decay=0.0)  # fused, as in the trainer
         self.startup_s = time.perf_counter() - t0

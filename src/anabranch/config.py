@@ -94,7 +94,8 @@ class RolloutConfig:
     # engine starts slower). CPU engines always run eagerly (no gain measured there).
     vllm_cuda_graphs: bool = True
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
-    vllm_cpu_kv_cache_mib: int = 512
+    # 0: sized for the run's largest generate call (training step or evaluation batch).
+    vllm_cpu_kv_cache_mib: int = 0
 
 
 @dataclass

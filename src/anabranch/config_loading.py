@@ -223,6 +223,8 @@ def validate(cfg: Config) -> None:
          "must be one of no, bf16, fp16"),
         (cfg.rollout.vllm_dtype in ("auto", "float32", "bfloat16", "float16"), "rollout.vllm_dtype",
          "must be one of auto, float32, bfloat16, float16"),
+        (cfg.rollout.vllm_cpu_kv_cache_mib >= 0, "rollout.vllm_cpu_kv_cache_mib",
+         "must be >= 0 (0 sizes the cache for the run)"),
         (len(cfg.reward.functions) >= 1, "reward.functions", "needs at least one reward function"),
         (cfg.trainer.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 keeps every checkpoint)"),
         (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),

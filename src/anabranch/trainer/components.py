@@ -79,17 +79,32 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     train_rows, eval_rows = load_task(cfg.task)
     train_prompts = [build_prompt(r, cfg.task, tokenizer) for r in train_rows]
     eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
-    check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
+    longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
                  if "ref_log_prob" in algo.needs else None)
-    backend_kwargs = {"mixed_precision": mixed_precision} if cfg.rollout.backend == "vllm" else {}
+    backend_kwargs = {}
+    if cfg.rollout.backend == "vllm":  # the engine's precision and KV cache are fixed when it starts
+        backend_kwargs = {"mixed_precision": mixed_precision,
+                          "kv_tokens": largest_generate_kv(cfg, longest_prompt, len(eval_prompts))}
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout, **backend_kwargs)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
                       train_rows, eval_rows, train_prompts, eval_prompts, modules=modules)
+
+
+def largest_generate_kv(cfg: Config, longest_prompt: int, eval_prompts: int) -> int:
+    """KV-cache tokens of the vLLM engine's largest generate call: a training step (every sample of
+    the step in one call) or an evaluation batch (``greedy_accuracy`` decodes up to 64 prompts at once)."""
+    from anabranch.eval.accuracy import EVAL_BATCH_SIZE
+    from anabranch.rollout.vllm_backend import kv_cache_tokens
+
+    r = cfg.rollout
+    train = kv_cache_tokens(r.prompts_per_step * r.n, longest_prompt, r.max_new_tokens)
+    eval_new = cfg.trainer.eval_max_new_tokens or r.max_new_tokens
+    return max(train, kv_cache_tokens(min(eval_prompts, EVAL_BATCH_SIZE), longest_prompt, eval_new))
 
 
 def build_optimizer(cfg: Config, model, modules: dict):

@@ -48,11 +48,13 @@ def model_context(model_path: str) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> None:
-    """Every prompt fits ``task.max_prompt_tokens`` and, with the response, the model's context."""
+def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> int:
+    """Every prompt fits ``task.max_prompt_tokens`` and, with the response, the model's context.
+    Returns the longest prompt's length in tokens (0 without prompts)."""
     limit = cfg.task.max_prompt_tokens
     context = model_context(cfg.model.path)
     max_new = cfg.rollout.max_new_tokens
+    longest = 0
     for i, text in enumerate(prompts):
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > limit:
@@ -66,3 +68,5 @@ def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> None:
                 f"positions but the model's context is {context} (max_position_embeddings in model.path's "
                 "config.json); shorten the prompts or lower rollout.max_new_tokens"
             )
+        longest = max(longest, n)
+    return longest
