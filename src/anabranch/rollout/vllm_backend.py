@@ -14,10 +14,12 @@ can correct for it (``algorithm.tis_cap``, see :mod:`anabranch.rollout.importanc
 On a GPU the engine holds its weights in the trainer's autocast precision (``rollout.vllm_dtype=auto``:
 bf16 under a bf16 launch, although the trainer keeps fp32 master weights) and replays CUDA graphs of
 the decode step (``rollout.vllm_cuda_graphs``); :func:`engine_args` lists everything it is given.
-Weight reloads copy into the same parameter storage, so captured graphs stay valid (tested on an H100).
+Weight reloads copy into the same parameter storage, so captured graphs stay valid (a GPU-only test
+checks it; it passed on an H100).
 
-On CPU the KV cache is sized for the run's largest generate call (or ``rollout.vllm_cpu_kv_cache_mib``;
-``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
+On CPU the KV cache is sized for the run's largest generate call (:func:`cpu_kv_cache_bytes`; or
+``rollout.vllm_cpu_kv_cache_mib``; ``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the
+engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights move by reference, not through a socket.
 """
@@ -85,13 +87,14 @@ def engine_max_model_len(model, cfg: RolloutConfig) -> int:
     return min(cfg.vllm_max_model_len, int(limit)) if limit else cfg.vllm_max_model_len
 
 
-# A KV-cache block holds at most this many tokens of one sequence (vLLM-cpu's default block size is
-# 128 for dense attention); sizing every sequence up to whole blocks never under-counts.
+# vLLM-cpu's block size for dense attention (its platform default): a sequence holds whole blocks,
+# and only full blocks of a shared prompt are shared, so W1's 38 + 64 tokens take one block each.
 KV_BLOCK_TOKENS = 128
 # The CPU KV cache when nothing says how large the generate calls are (`anabranch eval`).
 DEFAULT_CPU_KV_CACHE_MIB = 512
 # Room over the largest call's own blocks: with exactly those, vLLM's scheduler decoded W1 on the
-# tiny model 40% slower (3.0-3.2 s against 2.0-2.3 s a rollout); with twice them, as fast as 512 MiB.
+# tiny model 40% slower (3.0-3.2 s against 2.0-2.3 s a rollout: not every sequence found a block at
+# once); with twice them, as fast as with 512 MiB.
 KV_HEADROOM = 2
 
 
@@ -134,7 +137,7 @@ def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   max_model_len=engine_max_model_len(model, cfg), seed=0,
                   # CUDA graphs halve an H100 rollout of SmolLM2 (docs/benchmarks.md, "GPU: the vLLM
-                  # backend"); on CPU, vLLM's compiled mode gained nothing and starts 25 s slower.
+                  # backend on one H100"); on CPU, vLLM's compiled mode gained nothing and starts 25 s slower.
                   enforce_eager=not (cuda and cfg.vllm_cuda_graphs))
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
