@@ -89,7 +89,7 @@ def _train_worker(rank: int, world: int, port: int, model_dir: str, data: str, o
 
     built = []
     build = loop.build
-    loop.build = lambda c: built.append(build(c)) or built[-1]  # keep this rank's model to compare
+    loop.build = lambda c, **kw: built.append(build(c, **kw)) or built[-1]  # keep this rank's model to compare
     overrides = [f"model.path={model_dir}", "task.name=file", f"task.path={data}", "task.eval_size=4",
                  "rollout.n=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
                  "trainer.steps=2", "trainer.lr=1e-2", f"trainer.output_dir={out}", "trainer.run_name=dp",
