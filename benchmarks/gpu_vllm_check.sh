@@ -24,14 +24,7 @@ COMMON=(model.path="$MODEL" trainer.output_dir="$OUT/runs" trainer.progress=fals
 SPEED=(rollout.prompts_per_step="$PROMPTS" rollout.n="$N" rollout.max_new_tokens="$TOKENS"
        rollout.min_new_tokens="$TOKENS" trainer.micro_batch_size="$MICRO" trainer.eval_before=false
        trainer.eval_after=false trainer.save_final=false trainer.steps="$SPEED_STEPS")
-status=0
-run() {  # name, command...: log to OUT/name.log, keep going on failure
-    local name=$1; shift
-    echo "== $name: $*"
-    local t0=$SECONDS
-    if "$@" >"$OUT/$name.log" 2>&1; then echo "   ok in $((SECONDS - t0)) s"; else
-        echo "   FAILED ($?) in $((SECONDS - t0)) s; last lines:"; tail -n 40 "$OUT/$name.log"; status=1; fi
-}
+source benchmarks/run_logged.sh  # run NAME COMMAND...: logged to $OUT/NAME.log, keeps going on failure
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
