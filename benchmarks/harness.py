@@ -136,12 +136,12 @@ class AnabranchRunner:
         self.rollout_cfg = RolloutConfig(backend=backend, n=w.n, prompts_per_step=w.prompts_per_step,
                                          max_new_tokens=w.tokens, min_new_tokens=w.tokens,
                                          vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib)
+        self.prompts, self.answers = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
         extra = {}
         if backend == "vllm":  # the KV cache `anabranch train` would give the engine (components.py)
             from anabranch.rollout.vllm_backend import kv_cache_tokens
 
-            prompts, _ = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
-            longest = max(len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+            longest = max(len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
             extra["kv_tokens"] = kv_cache_tokens(w.prompts_per_step * w.n, longest, w.tokens)
         self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg, **extra)
         self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
@@ -168,7 +168,7 @@ class AnabranchRunner:
 
     def run(self) -> RunResult:
         w = self.w
-        prompts, answers = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
+        prompts, answers = self.prompts, self.answers
         res = RunResult("anabranch", self.backend_name, startup_s=self.startup_s)
         for i in range(w.warmup + w.steps):
             sl = slice(i * w.prompts_per_step, (i + 1) * w.prompts_per_step)

@@ -107,7 +107,7 @@ def kv_cache_tokens(sequences: int, prompt_tokens: int, new_tokens: int) -> int:
 
 def kv_bytes_per_token(model_config, dtype: str) -> int:
     """Keys and values of every layer for one token."""
-    heads = getattr(model_config, "num_attention_heads")
+    heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     return 2 * model_config.num_hidden_layers * kv_heads * head_dim * ENGINE_DTYPES[dtype].itemsize
