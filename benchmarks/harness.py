@@ -39,6 +39,7 @@ class Workload:
     # CPU); run_trl applies it only when asked, to show what the same setting does for TRL.
     keep_freed_memory: bool = True
     vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
+    compile_layers: bool = False  # anabranch's trainer.compile_layers (models/fused_layers.py)
 
 
 @dataclass
@@ -107,6 +108,19 @@ def arithmetic_prompts(tokenizer, count: int) -> tuple[list[str], list[str]]:
     return [build_prompt(r, cfg, tokenizer) for r in rows], [str(r["answer"]) for r in rows]
 
 
+def random_rollout(tokenizer, prompts: int, n: int, tokens: int):
+    """W1's shapes for timing an update: ``prompts`` arithmetic prompts, each repeated ``n`` times, with
+    random response tokens, all ``tokens`` long (an update's cost does not depend on what was sampled)."""
+    from anabranch.rollout.base import Rollout
+
+    texts, _ = arithmetic_prompts(tokenizer, prompts)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    rows = prompts * n
+    return Rollout(enc["input_ids"].repeat_interleave(n, 0), enc["attention_mask"].repeat_interleave(n, 0),
+                   torch.randint(100, 1000, (rows, tokens)), torch.ones(rows, tokens, dtype=torch.long),
+                   torch.arange(prompts).repeat_interleave(n), texts, [""] * rows, torch.ones(rows, dtype=torch.bool))
+
+
 def contains_answer(completions: list[str], answers: list[str]) -> list[float]:
     """The reward both systems use: 1 when the answer string occurs in the completion."""
     return [float(a in c) for c, a in zip(completions, answers)]
@@ -133,6 +147,10 @@ class AnabranchRunner:
         self.w, self.backend_name = w, backend
         self.tok = load_tokenizer(ModelConfig(path=w.model))
         self.model = load_model(ModelConfig(path=w.model), torch.device("cpu"), trainable=True)
+        if w.compile_layers:  # compiled in the first (warm-up) update
+            from anabranch.models.fused_layers import install
+
+            install(self.model)
         self.rollout_cfg = RolloutConfig(backend=backend, n=w.n, prompts_per_step=w.prompts_per_step,
                                          max_new_tokens=w.tokens, min_new_tokens=w.tokens,
                                          vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_prompts, model_folder  # noqa: E402
+from harness import model_folder, random_rollout  # noqa: E402
 
 
 def main() -> None:
@@ -50,7 +50,6 @@ def main() -> None:
     from anabranch.algorithms.resolve import resolve_algorithm
     from anabranch.config import AlgorithmConfig, ModelConfig
     from anabranch.models.loading import load_model, load_tokenizer
-    from anabranch.rollout.base import Rollout
     from anabranch.trainer.components import adamw
     from anabranch.models import logprobs
     from anabranch.trainer.step import policy_update
@@ -66,20 +65,15 @@ def main() -> None:
     path = model_folder(args.model)
     tok = load_tokenizer(ModelConfig(path=path))
     model = load_model(ModelConfig(path=path), device)
-    prompts, _ = arithmetic_prompts(tok, args.prompts)
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     B, R = args.prompts * args.n, args.tokens
-    ro = Rollout(enc["input_ids"].repeat_interleave(args.n, 0), enc["attention_mask"].repeat_interleave(args.n, 0),
-                 torch.randint(100, 1000, (B, R)), torch.ones(B, R, dtype=torch.long),
-                 torch.arange(args.prompts).repeat_interleave(args.n), prompts, [""] * B,
-                 torch.ones(B, dtype=torch.bool))
+    ro = random_rollout(tok, args.prompts, args.n, R)
     algo = resolve_algorithm(AlgorithmConfig())
     opt = adamw(model.parameters(), lr=1e-6)
     rewards = torch.rand(B)
     adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
     kw = dict(micro_batch_size=args.micro_batch_size or B, grad_clip=1.0, temperature=1.0, max_response_len=R,
               micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
-    print(f"prompt tokens per sequence: {enc['attention_mask'].sum(-1).tolist()}; {B} x {R} response tokens")
+    print(f"prompt tokens per sequence: {ro.prompt_mask[::args.n].sum(-1).tolist()}; {B} x {R} response tokens")
     cuda = device.type == "cuda"
 
     def update():

@@ -51,6 +51,8 @@ def parse() -> argparse.Namespace:
                     help="TRL with the same malloc setting as anabranch's default (trainer/host_memory.py)")
     ap.add_argument("--vllm-kv-cache-mib", type=int, default=0,
                     help="anabranch's vLLM-cpu KV cache (rollout.vllm_cpu_kv_cache_mib; 0: sized for the workload)")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="anabranch with trainer.compile_layers=true (compiled norm, MLP and rotary; CPU)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
@@ -62,7 +64,7 @@ def worker(args) -> None:
     w = Workload(model=args.model_dir, prompts_per_step=args.prompts, n=args.n, tokens=args.tokens,
                  warmup=args.warmup, steps=args.steps, threads=args.threads,
                  micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
-                 vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib,
+                 vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib, compile_layers=args.compile_layers,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
@@ -77,6 +79,7 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd += ["--no-share-prefix"] if args.no_share_prefix else []
     cmd += ["--no-keep-freed-memory"] if args.no_keep_freed_memory else []
     cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []
+    cmd += ["--compile-layers"] if args.compile_layers else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

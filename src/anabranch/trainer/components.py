@@ -82,6 +82,8 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
+    if cfg.trainer.compile_layers:
+        compile_policy_layers(model, device, cfg)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
                  if "ref_log_prob" in algo.needs else None)
     backend_kwargs = {}
@@ -93,6 +95,23 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
                       train_rows, eval_rows, train_prompts, eval_prompts, modules=modules)
+
+
+def compile_policy_layers(model, device: torch.device, cfg: Config) -> None:
+    """``trainer.compile_layers``: the compiled norm, MLP and rotary functions (models/fused_layers.py),
+    measured and tested on CPU in a single process only, so refused elsewhere rather than assumed."""
+    if (device.type != "cpu" or cfg.distributed.num_processes > 1 or torch.distributed.is_initialized()
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ConfigError("trainer.compile_layers=true is supported for single-process CPU training only "
+                          f"(device {device.type}, {cfg.distributed.num_processes} processes)")
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError("trainer.compile_layers=true does not combine with model.gradient_checkpointing")
+    from anabranch.models.fused_layers import install
+
+    counts = install(model)
+    if not (counts["rms_norm"] or counts["mlp"] or counts["rotary"]):
+        raise ConfigError("trainer.compile_layers=true: no RMSNorm, gated SiLU MLP or rotary function of "
+                          f"{type(model).__name__} matches the compiled formulas; set it to false")
 
 
 def largest_generate_kv(cfg: Config, longest_prompt: int, eval_prompts: int) -> int:

@@ -1,0 +1,66 @@
+"""Rollout throughput of the vLLM backend at a given batch (issue 7: SmolLM2 >= 400 tok/s at >= 64).
+
+    .venv-vllm/bin/python benchmarks/rollout_batch.py --model smollm2 --prompts 8 --n 8 --tokens 64
+
+Builds ``VLLMBackend`` as ``anabranch train`` does (KV cache sized for the batch), generates
+``prompts x n`` sequences of exactly ``tokens`` new tokens (min = max) from basic_arithmetic prompts,
+``--warmup`` untimed calls then ``--repeats`` timed ones, and prints generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import arithmetic_prompts, model_folder, set_thread_env  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    set_thread_env(args.threads)  # before torch and vLLM start their thread pools
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    from anabranch.config import ModelConfig, RolloutConfig
+    from anabranch.models.loading import load_model, load_tokenizer
+    from anabranch.rollout.vllm_backend import VLLMBackend, kv_cache_tokens
+
+    path = model_folder(args.model)
+    tok = load_tokenizer(ModelConfig(path=path))
+    model = load_model(ModelConfig(path=path), torch.device("cpu"))
+    prompts, _ = arithmetic_prompts(tok, args.prompts)
+    longest = max(len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"])
+    cfg = RolloutConfig(backend="vllm", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+    engine = VLLMBackend(model, tok, cfg, kv_tokens=kv_cache_tokens(args.prompts * args.n, longest, args.tokens))
+    rates = []
+    for i in range(args.warmup + args.repeats):
+        start = time.perf_counter()
+        ro = engine.generate(prompts, args.n, seed=i)
+        seconds = time.perf_counter() - start
+        generated = int(ro.response_mask.sum())
+        if i >= args.warmup:
+            rates.append(generated / seconds)
+        print(f"{'timed' if i >= args.warmup else 'warm-up'} {ro.response_ids.shape[0]} sequences, "
+              f"{generated} tokens in {seconds:.2f} s: {generated / seconds:.0f} tok/s", flush=True)
+    print(f"batch {args.prompts * args.n}, {args.tokens} tokens: median {statistics.median(rates):.0f} tok/s "
+          f"(min {min(rates):.0f}, max {max(rates):.0f})")
+
+
+if __name__ == "__main__":
+    main()
