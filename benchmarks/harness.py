@@ -121,6 +121,15 @@ def random_rollout(tokenizer, prompts: int, n: int, tokens: int):
                    torch.arange(prompts).repeat_interleave(n), texts, [""] * rows, torch.ones(rows, dtype=torch.bool))
 
 
+def engine_kv_tokens(tokenizer, prompts: list[str], sequences: int, tokens: int) -> int:
+    """The KV cache `anabranch train` would give the vLLM engine (trainer/components.py) for calls of
+    ``sequences`` sequences of the longest of ``prompts`` plus ``tokens`` new tokens."""
+    from anabranch.rollout.vllm_backend import kv_cache_tokens
+
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    return kv_cache_tokens(sequences, longest, tokens)
+
+
 def contains_answer(completions: list[str], answers: list[str]) -> list[float]:
     """The reward both systems use: 1 when the answer string occurs in the completion."""
     return [float(a in c) for c, a in zip(completions, answers)]
@@ -156,11 +165,8 @@ class AnabranchRunner:
                                          vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib)
         self.prompts, self.answers = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
         extra = {}
-        if backend == "vllm":  # the KV cache `anabranch train` would give the engine (components.py)
-            from anabranch.rollout.vllm_backend import kv_cache_tokens
-
-            longest = max(len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
-            extra["kv_tokens"] = kv_cache_tokens(w.prompts_per_step * w.n, longest, w.tokens)
+        if backend == "vllm":
+            extra["kv_tokens"] = engine_kv_tokens(self.tok, self.prompts, w.prompts_per_step * w.n, w.tokens)
         self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg, **extra)
         self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
         self.opt = adamw(self.model.parameters(), lr=LR, weight_decay=0.0)  # fused, as in the trainer

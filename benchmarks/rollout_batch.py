@@ -15,11 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_prompts, model_folder, set_thread_env  # noqa: E402
+from harness import arithmetic_prompts, engine_kv_tokens, model_folder, set_thread_env  # noqa: E402
 
 
 def main() -> None:
@@ -32,22 +30,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    set_thread_env(args.threads)  # before torch and vLLM start their thread pools
+    set_thread_env(args.threads)  # read when the engine binds its threads
     import torch
 
     torch.set_num_threads(args.threads)
 
     from anabranch.config import ModelConfig, RolloutConfig
     from anabranch.models.loading import load_model, load_tokenizer
-    from anabranch.rollout.vllm_backend import VLLMBackend, kv_cache_tokens
+    from anabranch.rollout.vllm_backend import VLLMBackend
 
     path = model_folder(args.model)
     tok = load_tokenizer(ModelConfig(path=path))
     model = load_model(ModelConfig(path=path), torch.device("cpu"))
     prompts, _ = arithmetic_prompts(tok, args.prompts)
-    longest = max(len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"])
     cfg = RolloutConfig(backend="vllm", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    engine = VLLMBackend(model, tok, cfg, kv_tokens=kv_cache_tokens(args.prompts * args.n, longest, args.tokens))
+    engine = VLLMBackend(model, tok, cfg, kv_tokens=engine_kv_tokens(tok, prompts, args.prompts * args.n, args.tokens))
     rates = []
     for i in range(args.warmup + args.repeats):
         start = time.perf_counter()
