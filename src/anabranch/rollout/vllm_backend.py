@@ -122,14 +122,16 @@ def kv_bytes_per_token(model_config, dtype: str) -> int:
 
 def cpu_kv_cache_bytes(model, cfg: RolloutConfig, dtype: str, tokens: int | None) -> int:
     """``rollout.vllm_cpu_kv_cache_mib`` when set; else twice the room for ``tokens`` (the run's
-    largest generate call), never less than one ``max_model_len`` sequence, which vLLM requires;
-    else 512 MiB. vLLM-cpu allocates (and zeroes) the whole cache at start, so an oversized one is
+    largest generate call), never less than one ``max_model_len`` sequence and one block, which
+    vLLM requires; else 512 MiB. vLLM-cpu allocates (and zeroes) the whole cache at start, so an oversized one is
     resident memory for the whole run: 512 MiB against 360 MiB for W1 on SmolLM2 (docs/benchmarks.md)."""
     if cfg.vllm_cpu_kv_cache_mib > 0:
         return cfg.vllm_cpu_kv_cache_mib * 2**20
     if tokens is None:
         return DEFAULT_CPU_KV_CACHE_MIB * 2**20
-    tokens = max(KV_HEADROOM * tokens, engine_max_model_len(model, cfg))
+    # vLLM-cpu holds one block back: with exactly max_model_len tokens of cache it refused to start
+    # ("estimated maximum model length is 992" for 1024), so the floor has one block more.
+    tokens = max(KV_HEADROOM * tokens, engine_max_model_len(model, cfg) + KV_BLOCK_TOKENS)
     return tokens * kv_bytes_per_token(model.config, dtype)
 
 
