@@ -50,6 +50,8 @@ class RunResult:
     cpu_s: list = field(default_factory=list)  # CPU time of the process per step (robust to a busy machine)
     generate_s: list = field(default_factory=list)
     update_s: list = field(default_factory=list)
+    # anabranch only: the update's forward+backward passes (policy_update's `time/forward_backward_s`)
+    forward_backward_s: list = field(default_factory=list)
     generated_tokens: int = 0     # per step
     trained_tokens: int = 0       # per step: real (non-pad) prompt + response tokens
     prompt_tokens: list = field(default_factory=list)  # per sequence of the last step
@@ -183,7 +185,7 @@ class AnabranchRunner:
         t1 = time.perf_counter()
         rewards = torch.tensor(contains_answer(ro.completions, [answers[g] for g in ro.group_index.tolist()]))
         adv = self.algo.advantage(rewards, ro.group_index, ro.response_mask.float(), self.algo.cfg)
-        policy_update(self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
+        self.last_stats = policy_update(self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
                       grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
                       micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
         self.backend.sync_weights(self.model)
@@ -203,6 +205,7 @@ class AnabranchRunner:
                 res.cpu_s.append(cpu_time() - c0)
                 res.generate_s.append(t_gen)
                 res.update_s.append(t_upd)
+                res.forward_backward_s.append(self.last_stats["time/forward_backward_s"])
         res.generated_tokens = int(ro.response_mask.sum())
         res.trained_tokens = int(ro.attention_mask.sum())
         res.prompt_tokens = ro.prompt_mask.sum(-1).tolist()
@@ -328,10 +331,13 @@ def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int,
 def summarize(r: RunResult) -> dict:
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     step = mean(r.step_s)
-    return {"s/step": step, "cpu s/step": mean(r.cpu_s), "gen s": mean(r.generate_s), "update s": mean(r.update_s),
+    out = {"s/step": step, "cpu s/step": mean(r.cpu_s), "gen s": mean(r.generate_s), "update s": mean(r.update_s),
             "gen tok/s (rollout)": r.generated_tokens / max(mean(r.generate_s), 1e-9),
             "gen tok/s (step)": r.generated_tokens / max(step, 1e-9),
             "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}
+    if r.forward_backward_s:
+        out["fwd+bwd s"] = mean(r.forward_backward_s)
+    return out
 
 
 def set_thread_env(threads: int) -> None:

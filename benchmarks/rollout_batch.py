@@ -4,7 +4,8 @@
 
 Builds ``VLLMBackend`` as ``anabranch train`` does (KV cache sized for the batch), generates
 ``prompts x n`` sequences of exactly ``tokens`` new tokens (min = max) from basic_arithmetic prompts,
-``--warmup`` untimed calls then ``--repeats`` timed ones, and prints generated tokens per second.
+``--warmup`` untimed calls then ``--repeats`` timed ones, and prints the engine's start time and
+generated tokens per second (``--compiled``: vLLM's torch.compile of the model, ``rollout.vllm_cpu_compile``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true",
+                    help="rollout.vllm_cpu_compile=true: vLLM's torch.compile of the model (default: eager)")
     args = ap.parse_args()
     set_thread_env(args.threads)  # read when the engine binds its threads
     import torch
@@ -43,8 +46,11 @@ def main() -> None:
     tok = load_tokenizer(ModelConfig(path=path))
     model = load_model(ModelConfig(path=path), torch.device("cpu"))
     prompts, _ = arithmetic_prompts(tok, args.prompts)
-    cfg = RolloutConfig(backend="vllm", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+    cfg = RolloutConfig(backend="vllm", max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                        vllm_cpu_compile=args.compiled)
+    start = time.perf_counter()
     engine = VLLMBackend(model, tok, cfg, kv_tokens=engine_kv_tokens(tok, prompts, args.prompts * args.n, args.tokens))
+    print(f"engine start: {time.perf_counter() - start:.1f} s", flush=True)
     rates = []
     for i in range(args.warmup + args.repeats):
         start = time.perf_counter()

@@ -95,6 +95,7 @@ def merge(results: list[RunResult]) -> RunResult:
         out.cpu_s += r.cpu_s
         out.generate_s += r.generate_s
         out.update_s += r.update_s
+        out.forward_backward_s += r.forward_backward_s
         out.peak_rss_mib = max(out.peak_rss_mib, r.peak_rss_mib)
     return out
 
@@ -118,6 +119,9 @@ def main() -> None:
     ana = merged["anabranch"]
     # The FLOPs anabranch computes: with shared prompt prefixes, each prompt once per group of n.
     flops = update_flops(model_dir, ana.prompt_tokens, args.tokens, 1 if args.no_share_prefix else args.n)
+    # Issue 7's measure: the forward+backward passes against the peak. The whole update (plus
+    # rewards, clipping, the optimizer step and the weight sync to the engine) is kept beside it.
+    table["anabranch"]["fwd+bwd MFU"] = flops / (table["anabranch"]["fwd+bwd s"] * 1e9) / peak
     table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "

@@ -182,3 +182,38 @@ def test_fused_log_prob_entropy_refuses_a_second_backward():
     lp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         lp.sum().backward()
+
+
+def test_update_reports_forward_backward_and_optimizer_time_apart(model):
+    """`time/forward_backward_s` holds the passes (here a 0.05 s sleep in every forward) and not the
+    optimizer step (a 0.4 s sleep per epoch), which `time/optimizer_s` holds: benchmarks/vs_trl.py
+    divides the model FLOPs by the first."""
+    import time
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.4)
+            return super().step(closure)
+
+    ro = _rollout(model.config.vocab_size)
+    algo = resolve_algorithm(AlgorithmConfig(ppo_epochs=2))
+    adv = torch.randn(6, 1).expand(6, ro.response_ids.shape[1]).contiguous()
+    forwards = []
+    # On the decoder body: the fused LM head runs outside the model's own forward.
+    hook = model.get_decoder().register_forward_pre_hook(lambda *_: (forwards.append(1), time.sleep(0.05)) and None)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        t0 = time.perf_counter()
+        m = policy_update(model, SlowSGD(model.parameters(), lr=0.0), ro, adv, torch.arange(6.0), algo,
+                          micro_batch_size=3, grad_clip=0.0, temperature=1.0, max_response_len=6)
+        wall = time.perf_counter() - t0
+    finally:
+        hook.remove()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+    # 2 epochs x 2 micro-batches in the spans, plus the old log-probs' passes before them.
+    assert len(forwards) == 6
+    assert m["time/optimizer_s"] >= 0.8
+    assert 4 * 0.05 <= m["time/forward_backward_s"] < 0.8
+    assert m["time/forward_backward_s"] + m["time/optimizer_s"] <= wall

@@ -129,6 +129,37 @@ def test_lora_policy_is_synced_as_merged_weights(tmp_path):
     assert engine.generate(PROMPTS, 1, greedy=True).response_ids.tolist() == ref.response_ids.tolist()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's compiled mode (on a GPU: the test below)")
+def test_compiled_cpu_engine_follows_in_place_weight_updates(tmp_path):
+    """rollout.vllm_cpu_compile: the model runs as an Inductor graph; a reload must reach the
+    tensors that graph reads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anabranch.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
+                            intermediate=256, seed=7)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, vllm_max_model_len=256, vllm_cpu_compile=True)
+    engine = VLLMBackend(model, tok, cfg)
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    before = engine.generate(PROMPTS, 1, greedy=True)
+    assert before.response_ids.tolist() == _greedy_hf(model, tok, cfg).response_ids.tolist()
+    for seed in (0, 1):  # twice: the second reload must land as well as the first
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for p in model.parameters():
+                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+        ref = _greedy_hf(model, tok, cfg)
+        assert ref.response_ids.tolist() != before.response_ids.tolist()
+        engine.sync_weights(model)
+        after = engine.generate(PROMPTS, 1, greedy=True)
+        assert after.response_ids.tolist() == ref.response_ids.tolist()
+        before = after
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the engine replays CUDA graphs there)")
 def test_cuda_graph_engine_follows_in_place_weight_updates(tmp_path):
     """On a GPU the engine replays captured CUDA graphs; a reload must land in the storage they read."""

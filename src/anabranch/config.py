@@ -91,8 +91,12 @@ class RolloutConfig:
     # model's dtype. Or float32, bfloat16, float16.
     vllm_dtype: str = "auto"
     # backend=vllm on a GPU: capture CUDA graphs of the decode step (vLLM's compiled mode; the
-    # engine starts slower). CPU engines always run eagerly (no gain measured there).
+    # engine starts slower).
     vllm_cuda_graphs: bool = True
+    # backend=vllm on CPU: torch.compile (Inductor) of the engine's model, which fuses its norms and
+    # activations. Pays at large batches (SmolLM2, 128 sequences: +14-29% tok/s), not at 32-64, and
+    # adds a compile at engine start (docs/benchmarks.md); off: the engine runs eagerly.
+    vllm_cpu_compile: bool = False
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
     # 0: sized for the run's largest generate call (training step or evaluation batch).
     vllm_cpu_kv_cache_mib: int = 0

