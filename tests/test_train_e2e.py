@@ -46,6 +46,9 @@ def test_grpo_reward_rises_and_run_dir_is_complete(tiny_model_dir, write_jsonl, 
     assert [r["step"] for r in steps] == list(range(1, 31))
     for key in ("loss", "entropy", "grad_norm", "accuracy", "clip_frac", "approx_kl", "time/step_s"):
         assert all(isinstance(r[key], float) for r in steps), key
+    # The step's wall time holds its parts.
+    parts = ("time/generate_s", "time/forward_backward_s", "time/optimizer_s", "time/sync_weights_s")
+    assert all(0 < sum(r[k] for k in parts) <= r["time/step_s"] for r in steps)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and {"step", "completion", "reward", "answer"} <= set(samples[0])
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
