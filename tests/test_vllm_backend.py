@@ -144,7 +144,11 @@ def test_compiled_cpu_engine_follows_in_place_weight_updates(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, vllm_max_model_len=256, vllm_cpu_compile=True)
     engine = VLLMBackend(model, tok, cfg)
-    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    from vllm.config import CompilationMode
+
+    vllm_config = engine.llm.llm_engine.vllm_config
+    assert vllm_config.model_config.enforce_eager is False
+    assert vllm_config.compilation_config.mode != CompilationMode.NONE  # Dynamo + Inductor on CPU
     before = engine.generate(PROMPTS, 1, greedy=True)
     assert before.response_ids.tolist() == _greedy_hf(model, tok, cfg).response_ids.tolist()
     for seed in (0, 1):  # twice: the second reload must land as well as the first
