@@ -185,9 +185,10 @@ class AnabranchRunner:
         t1 = time.perf_counter()
         rewards = torch.tensor(contains_answer(ro.completions, [answers[g] for g in ro.group_index.tolist()]))
         adv = self.algo.advantage(rewards, ro.group_index, ro.response_mask.float(), self.algo.cfg)
-        self.last_stats = policy_update(self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
-                      grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
-                      micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
+        self.last_stats = policy_update(
+            self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
+            grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
+            micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
         return ro, t1 - t0, t2 - t1
@@ -332,9 +333,9 @@ def summarize(r: RunResult) -> dict:
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     step = mean(r.step_s)
     out = {"s/step": step, "cpu s/step": mean(r.cpu_s), "gen s": mean(r.generate_s), "update s": mean(r.update_s),
-            "gen tok/s (rollout)": r.generated_tokens / max(mean(r.generate_s), 1e-9),
-            "gen tok/s (step)": r.generated_tokens / max(step, 1e-9),
-            "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}
+           "gen tok/s (rollout)": r.generated_tokens / max(mean(r.generate_s), 1e-9),
+           "gen tok/s (step)": r.generated_tokens / max(step, 1e-9),
+           "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}
     if r.forward_backward_s:
         out["fwd+bwd s"] = mean(r.forward_backward_s)
     return out

@@ -94,8 +94,9 @@ class RolloutConfig:
     # engine starts slower).
     vllm_cuda_graphs: bool = True
     # backend=vllm on CPU: torch.compile (Inductor) of the engine's model, which fuses its norms and
-    # activations. Pays at large batches (SmolLM2, 128 sequences: +14-29% tok/s), not at 32-64, and
-    # adds a compile at engine start (docs/benchmarks.md); off: the engine runs eagerly.
+    # activations and drops most per-operator Python dispatch. Pays at large batches (SmolLM2, 128
+    # sequences a call: +14-40% tok/s), not measurably at 32-64, and the engine starts ~75 s later
+    # (docs/benchmarks.md); off: the engine runs eagerly.
     vllm_cpu_compile: bool = False
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
     # 0: sized for the run's largest generate call (training step or evaluation batch).

