@@ -40,6 +40,9 @@ class Workload:
     keep_freed_memory: bool = True
     vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
     compile_layers: bool = False  # anabranch's trainer.compile_layers (models/fused_layers.py)
+    # anabranch only: the matmul speed of the moment, probed right before and after each update (see
+    # MatmulProbe); the probes' time is taken out of the step's timings.
+    probe_peak: bool = False
 
 
 @dataclass
@@ -52,6 +55,8 @@ class RunResult:
     update_s: list = field(default_factory=list)
     # anabranch only: the update's forward+backward passes (policy_update's `time/forward_backward_s`)
     forward_backward_s: list = field(default_factory=list)
+    # anabranch with Workload.probe_peak: per timed step, the mean of the probes before and after its update
+    adjacent_peak_gflops: list = field(default_factory=list)
     generated_tokens: int = 0     # per step
     trained_tokens: int = 0       # per step: real (non-pad) prompt + response tokens
     prompt_tokens: list = field(default_factory=list)  # per sequence of the last step
@@ -180,18 +185,21 @@ class AnabranchRunner:
         n = n or self.w.n
         tokens = tokens or self.w.tokens
         self.rollout_cfg.min_new_tokens = tokens
+        self.probe = MatmulProbe(self.w.threads, enabled=self.w.probe_peak)
         t0 = time.perf_counter()
         ro = self.backend.generate(prompts, n, max_new_tokens=tokens)
         t1 = time.perf_counter()
         rewards = torch.tensor(contains_answer(ro.completions, [answers[g] for g in ro.group_index.tolist()]))
         adv = self.algo.advantage(rewards, ro.group_index, ro.response_mask.float(), self.algo.cfg)
+        self.probe()
         self.last_stats = policy_update(
             self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
             grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
             micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
+        self.probe()
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
-        return ro, t1 - t0, t2 - t1
+        return ro, t1 - t0, t2 - t1 - self.probe.wall_s
 
     def run(self) -> RunResult:
         w = self.w
@@ -202,11 +210,13 @@ class AnabranchRunner:
             t0, c0 = time.perf_counter(), cpu_time()
             ro, t_gen, t_upd = self.step(prompts[sl], answers[sl])
             if i >= w.warmup:
-                res.step_s.append(time.perf_counter() - t0)
-                res.cpu_s.append(cpu_time() - c0)
+                res.step_s.append(time.perf_counter() - t0 - self.probe.wall_s)
+                res.cpu_s.append(cpu_time() - c0 - self.probe.cpu_s)
                 res.generate_s.append(t_gen)
                 res.update_s.append(t_upd)
                 res.forward_backward_s.append(self.last_stats["time/forward_backward_s"])
+                if w.probe_peak:
+                    res.adjacent_peak_gflops.append(sum(self.probe.gflops) / len(self.probe.gflops))
         res.generated_tokens = int(ro.response_mask.sum())
         res.trained_tokens = int(ro.attention_mask.sum())
         res.prompt_tokens = ro.prompt_mask.sum(-1).tolist()
@@ -300,6 +310,40 @@ def matmul_peak_gflops(threads: int, seconds: float = 3.0) -> float:
             torch.mm(a, b)
             best = max(best, 2 * size ** 3 / (time.perf_counter() - s) / 1e9)
     return best
+
+
+class MatmulProbe:
+    """The fp32 matmul peak of this moment: the best GFLOP/s of a square ``torch.mm`` (2048) over about
+    ``seconds``, the measure of :func:`matmul_peak_gflops` taken briefly and often.
+
+    This host's speed drifts by ±15% within minutes (docs/benchmarks.md), so a peak measured once,
+    minutes away from an update, mixes that drift into the update's MFU; probed right before and
+    after the update, it is read under the conditions the update ran in. Each call appends to
+    ``gflops`` and adds its own wall and CPU time to ``wall_s`` / ``cpu_s``, which the runner takes
+    out of the step's timings. Disabled, a call does nothing."""
+
+    SIZE = 2048
+
+    def __init__(self, threads: int, seconds: float = 1.0, enabled: bool = True):
+        self.threads, self.seconds, self.enabled = threads, seconds, enabled
+        self.gflops: list[float] = []
+        self.wall_s = self.cpu_s = 0.0
+
+    def __call__(self) -> None:
+        if not self.enabled:
+            return
+        wall, cpu = time.perf_counter(), cpu_time()
+        torch.set_num_threads(self.threads)
+        a, b = torch.randn(self.SIZE, self.SIZE), torch.randn(self.SIZE, self.SIZE)
+        torch.mm(a, b)
+        rates, end = [], time.perf_counter() + self.seconds
+        while time.perf_counter() < end or len(rates) < 3:
+            s = time.perf_counter()
+            torch.mm(a, b)
+            rates.append(2 * self.SIZE ** 3 / (time.perf_counter() - s) / 1e9)
+        self.gflops.append(max(rates))
+        self.wall_s += time.perf_counter() - wall
+        self.cpu_s += cpu_time() - cpu
 
 
 def update_flops(model_dir: str, prompt_tokens: list[int], response_tokens: int, group_size: int = 1) -> float:

@@ -7,8 +7,11 @@ Each system runs in its own child process (so each has its own peak RSS), in the
 anabranch, TRL, anabranch, TRL, ... for ``--rounds`` rounds; each child does ``--warmup`` untimed
 steps then ``--steps`` timed ones. The parent measures the fp32 matmul peak of this machine before
 and after (the best of both), prints seconds per step, generated and trained tokens per second,
-peak RSS, the TRL/anabranch ratio, and the model FLOP utilization of anabranch's update
-(forward + backward + optimizer) against that peak.
+peak RSS, the TRL/anabranch ratio, and the model FLOP utilization of anabranch's update against
+that peak: over the forward+backward passes (issue 7's measure) and over the whole update. Since
+this host's speed drifts by ±15% within minutes, the anabranch child also probes the matmul speed
+right before and after each update (``harness.MatmulProbe``, 1 s each, not counted in any timing) and
+``fwd+bwd MFU (adjacent)`` reads each step's passes against the probes around them.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def parse() -> argparse.Namespace:
                     help="anabranch's vLLM-cpu KV cache (rollout.vllm_cpu_kv_cache_mib; 0: sized for the workload)")
     ap.add_argument("--compile-layers", action="store_true",
                     help="anabranch with trainer.compile_layers=true (compiled norm, MLP and rotary; CPU)")
+    ap.add_argument("--no-probe-peak", action="store_true",
+                    help="no matmul probes around anabranch's updates (no `fwd+bwd MFU (adjacent)`)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
@@ -65,6 +70,7 @@ def worker(args) -> None:
                  warmup=args.warmup, steps=args.steps, threads=args.threads,
                  micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
                  vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib, compile_layers=args.compile_layers,
+                 probe_peak=args.worker == "anabranch" and not args.no_probe_peak,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
@@ -80,6 +86,7 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd += ["--no-keep-freed-memory"] if args.no_keep_freed_memory else []
     cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []
     cmd += ["--compile-layers"] if args.compile_layers else []
+    cmd += ["--no-probe-peak"] if args.no_probe_peak else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -96,6 +103,7 @@ def merge(results: list[RunResult]) -> RunResult:
         out.generate_s += r.generate_s
         out.update_s += r.update_s
         out.forward_backward_s += r.forward_backward_s
+        out.adjacent_peak_gflops += r.adjacent_peak_gflops
         out.peak_rss_mib = max(out.peak_rss_mib, r.peak_rss_mib)
     return out
 
@@ -123,6 +131,10 @@ def main() -> None:
     # rewards, clipping, the optimizer step and the weight sync to the engine) is kept beside it.
     table["anabranch"]["fwd+bwd MFU"] = flops / (table["anabranch"]["fwd+bwd s"] * 1e9) / peak
     table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
+    if ana.adjacent_peak_gflops:  # each step against the matmul speed probed around its update
+        per_step = [flops / (fb * 1e9) / p for fb, p in zip(ana.forward_backward_s, ana.adjacent_peak_gflops)]
+        table["anabranch"]["adjacent peak GFLOP/s"] = sum(ana.adjacent_peak_gflops) / len(per_step)
+        table["anabranch"]["fwd+bwd MFU (adjacent)"] = sum(per_step) / len(per_step)
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
           f"{args.rounds} round(s) after {args.warmup} warm-up; freed memory kept by anabranch: "

@@ -1,0 +1,47 @@
+"""benchmarks/harness.py: the matmul probes around an update are recorded and kept out of its timings."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import harness  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return harness.tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def test_matmul_probes_are_recorded_and_not_counted_in_the_step(tiny_folder, monkeypatch):
+    # Two probes of at least 2.5 s around the update: counted, they would add 5 s to a step whose
+    # own work (4 tokens for 4 sequences of a 16.5M model, one update) took 0.8 s on 2 cores.
+    monkeypatch.setattr(harness.MatmulProbe, "__init__", _probe_init(2.5))
+    w = harness.Workload(model=tiny_folder, prompts_per_step=2, n=2, tokens=4, warmup=0, steps=1, probe_peak=True)
+    runner = harness.AnabranchRunner(w, "hf")
+    res = runner.run()
+
+    assert len(runner.probe.gflops) == 2 and runner.probe.wall_s >= 5.0
+    assert res.adjacent_peak_gflops == [pytest.approx(sum(runner.probe.gflops) / 2)]
+    assert res.adjacent_peak_gflops[0] > 1.0  # GFLOP/s: a real measurement, not a placeholder
+    (step,), (gen,), (upd,) = res.step_s, res.generate_s, res.update_s
+    assert step < 2.5 and upd < 2.5
+    # the rewards and advantages are the only parts of the step outside the rollout and the update
+    assert gen + upd <= step + 1e-6 < gen + upd + 0.25
+
+
+def test_without_probe_peak_nothing_is_probed(tiny_folder):
+    w = harness.Workload(model=tiny_folder, prompts_per_step=2, n=2, tokens=4, warmup=0, steps=1)
+    runner = harness.AnabranchRunner(w, "hf")
+    res = runner.run()
+    assert res.adjacent_peak_gflops == [] and runner.probe.wall_s == 0.0
+
+
+def _probe_init(seconds):
+    original = harness.MatmulProbe.__init__
+
+    def init(self, threads, seconds_=seconds, enabled=True):
+        original(self, threads, seconds=seconds_, enabled=enabled)
+    return init
