@@ -40,6 +40,7 @@ class Workload:
     keep_freed_memory: bool = True
     vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
     compile_layers: bool = False  # anabranch's trainer.compile_layers (models/fused_layers.py)
+    vllm_cpu_compile: bool = False  # anabranch's rollout.vllm_cpu_compile (vLLM compiles the CPU engine's model)
     # anabranch only: the matmul speed of the moment, probed right before and after each update (see
     # MatmulProbe); the probes' time is taken out of the step's timings.
     probe_peak: bool = False
@@ -169,7 +170,8 @@ class AnabranchRunner:
             install(self.model)
         self.rollout_cfg = RolloutConfig(backend=backend, n=w.n, prompts_per_step=w.prompts_per_step,
                                          max_new_tokens=w.tokens, min_new_tokens=w.tokens,
-                                         vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib)
+                                         vllm_max_model_len=1024, vllm_cpu_kv_cache_mib=w.vllm_cpu_kv_cache_mib,
+                                         vllm_cpu_compile=w.vllm_cpu_compile)
         self.prompts, self.answers = arithmetic_prompts(self.tok, w.prompts_per_step * (w.warmup + w.steps))
         extra = {}
         if backend == "vllm":

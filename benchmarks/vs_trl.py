@@ -56,6 +56,8 @@ def parse() -> argparse.Namespace:
                     help="anabranch's vLLM-cpu KV cache (rollout.vllm_cpu_kv_cache_mib; 0: sized for the workload)")
     ap.add_argument("--compile-layers", action="store_true",
                     help="anabranch with trainer.compile_layers=true (compiled norm, MLP and rotary; CPU)")
+    ap.add_argument("--vllm-cpu-compile", action="store_true",
+                    help="anabranch with rollout.vllm_cpu_compile=true (vLLM compiles the CPU engine's model)")
     ap.add_argument("--no-probe-peak", action="store_true",
                     help="no matmul probes around anabranch's updates (no `fwd+bwd MFU (adjacent)`)")
     ap.add_argument("--skip-trl", action="store_true")
@@ -71,6 +73,7 @@ def worker(args) -> None:
                  micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
                  vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib, compile_layers=args.compile_layers,
                  probe_peak=args.worker == "anabranch" and not args.no_probe_peak,
+                 vllm_cpu_compile=args.vllm_cpu_compile,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
@@ -87,6 +90,7 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []
     cmd += ["--compile-layers"] if args.compile_layers else []
     cmd += ["--no-probe-peak"] if args.no_probe_peak else []
+    cmd += ["--vllm-cpu-compile"] if args.vllm_cpu_compile else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -138,7 +142,8 @@ def main() -> None:
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
           f"{args.rounds} round(s) after {args.warmup} warm-up; freed memory kept by anabranch: "
-          f"{not args.no_keep_freed_memory}, by TRL: {args.trl_keep_freed_memory}")
+          f"{not args.no_keep_freed_memory}, by TRL: {args.trl_keep_freed_memory}; vLLM compiled on CPU: "
+          f"{args.vllm_cpu_compile}; compiled layers: {args.compile_layers}")
     shared = "each prompt once per group" if not args.no_share_prefix else "every sequence's prompt"
     print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step "
           f"(the tokens it computes: {shared})")

@@ -95,8 +95,8 @@ class RolloutConfig:
     vllm_cuda_graphs: bool = True
     # backend=vllm on CPU: torch.compile (Inductor) of the engine's model, which fuses its norms and
     # activations and drops most per-operator Python dispatch. Pays at large batches (SmolLM2, 128
-    # sequences a call: +14-40% tok/s), not measurably at 32-64, and the engine starts ~75 s later
-    # (docs/benchmarks.md); off: the engine runs eagerly.
+    # sequences a call: +14-40% tok/s), mixed at 32-64 (one of three pairs +27%), and the engine
+    # starts ~75-110 s later (docs/benchmarks.md); off: the engine runs eagerly.
     vllm_cpu_compile: bool = False
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
     # 0: sized for the run's largest generate call (training step or evaluation batch).
