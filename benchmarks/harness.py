@@ -41,9 +41,10 @@ class Workload:
     vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
     compile_layers: bool = False  # anabranch's trainer.compile_layers (models/fused_layers.py)
     vllm_cpu_compile: bool = False  # anabranch's rollout.vllm_cpu_compile (vLLM compiles the CPU engine's model)
-    # anabranch only: the matmul speed of the moment, probed right before and after each update (see
-    # MatmulProbe); the probes' time is taken out of the step's timings.
+    # anabranch only: the matmul peak of the moment, probed for probe_seconds right before and after
+    # each update (see MatmulProbe); the probes' time is taken out of the step's timings.
     probe_peak: bool = False
+    probe_seconds: float = 1.0
 
 
 @dataclass
@@ -187,7 +188,7 @@ class AnabranchRunner:
         n = n or self.w.n
         tokens = tokens or self.w.tokens
         self.rollout_cfg.min_new_tokens = tokens
-        self.probe = MatmulProbe(self.w.threads, enabled=self.w.probe_peak)
+        self.probe = MatmulProbe(self.w.threads, self.w.probe_seconds, enabled=self.w.probe_peak)
         t0 = time.perf_counter()
         ro = self.backend.generate(prompts, n, max_new_tokens=tokens)
         t1 = time.perf_counter()
