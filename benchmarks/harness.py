@@ -300,19 +300,22 @@ def run_trl(w: Workload) -> RunResult:
 # --------------------------------------------------------------------------- FLOPs
 
 
+def best_mm_gflops(size: int, seconds: float, min_calls: int = 1) -> float:
+    """Best fp32 GFLOP/s of a square ``torch.mm`` of ``size`` timed for about ``seconds`` (after one untimed call)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best, calls, end = 0.0, 0, time.perf_counter() + seconds
+    while time.perf_counter() < end or calls < min_calls:
+        s = time.perf_counter()
+        torch.mm(a, b)
+        best, calls = max(best, 2 * size ** 3 / (time.perf_counter() - s) / 1e9), calls + 1
+    return best
+
+
 def matmul_peak_gflops(threads: int, seconds: float = 3.0) -> float:
     """Best fp32 GFLOP/s of square ``torch.mm`` on this machine with ``threads`` threads."""
     torch.set_num_threads(threads)
-    best = 0.0
-    for size in (512, 1024, 2048):
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        torch.mm(a, b)
-        end = time.perf_counter() + seconds / 3
-        while time.perf_counter() < end:
-            s = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * size ** 3 / (time.perf_counter() - s) / 1e9)
-    return best
+    return max(best_mm_gflops(size, seconds / 3) for size in (512, 1024, 2048))
 
 
 class MatmulProbe:
@@ -337,14 +340,7 @@ class MatmulProbe:
             return
         wall, cpu = time.perf_counter(), cpu_time()
         torch.set_num_threads(self.threads)
-        a, b = torch.randn(self.SIZE, self.SIZE), torch.randn(self.SIZE, self.SIZE)
-        torch.mm(a, b)
-        rates, end = [], time.perf_counter() + self.seconds
-        while time.perf_counter() < end or len(rates) < 3:
-            s = time.perf_counter()
-            torch.mm(a, b)
-            rates.append(2 * self.SIZE ** 3 / (time.perf_counter() - s) / 1e9)
-        self.gflops.append(max(rates))
+        self.gflops.append(best_mm_gflops(self.SIZE, self.seconds, min_calls=3))
         self.wall_s += time.perf_counter() - wall
         self.cpu_s += cpu_time() - cpu
 
