@@ -204,11 +204,14 @@ class AnabranchRunner:
         t2 = time.perf_counter()
         return ro, t1 - t0, t2 - t1 - self.probe.wall_s
 
-    def run(self) -> RunResult:
+    def run(self, gate=None) -> RunResult:
+        """``gate``, if given, is called before each step (interleave.StepGate: the parent's turn)."""
         w = self.w
         prompts, answers = self.prompts, self.answers
         res = RunResult("anabranch", self.backend_name, startup_s=self.startup_s)
         for i in range(w.warmup + w.steps):
+            if gate:
+                gate()
             sl = slice(i * w.prompts_per_step, (i + 1) * w.prompts_per_step)
             t0, c0 = time.perf_counter(), cpu_time()
             ro, t_gen, t_upd = self.step(prompts[sl], answers[sl])
@@ -230,8 +233,9 @@ class AnabranchRunner:
 # --------------------------------------------------------------------------- TRL
 
 
-def run_trl(w: Workload) -> RunResult:
-    """TRL's GRPOTrainer on the same workload; `_generate` is wrapped to time the rollouts."""
+def run_trl(w: Workload, gate=None) -> RunResult:
+    """TRL's GRPOTrainer on the same workload; `_generate` is wrapped to time the rollouts. ``gate``,
+    if given, is called before each step, outside its timing (interleave.StepGate)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -278,6 +282,8 @@ def run_trl(w: Workload) -> RunResult:
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
+            if gate:
+                gate()
             starts.append((time.perf_counter(), cpu_time()))
 
         def on_step_end(self, state_args, state, *_a, **_k):

@@ -1,23 +1,30 @@
-"""anabranch GRPO vs TRL's GRPOTrainer on the same workload, alternating the two in one invocation.
+"""anabranch GRPO vs TRL's GRPOTrainer on the same workload, their steps alternating in one invocation.
 
     python benchmarks/vs_trl.py --model tiny --backend hf            # W1 on the 16.5M random Qwen2
     python benchmarks/vs_trl.py --model smollm2 --backend vllm      # W1 on SmolLM2, vLLM rollouts
 
-Each system runs in its own child process (so each has its own peak RSS), in the order
-anabranch, TRL, anabranch, TRL, ... for ``--rounds`` rounds; each child does ``--warmup`` untimed
-steps then ``--steps`` timed ones. The parent measures the fp32 matmul peak of this machine before
-and after (the best of both), prints seconds per step, generated and trained tokens per second,
-peak RSS, the TRL/anabranch ratio, and the model FLOP utilization of anabranch's update against
-that peak: over the forward+backward passes (issue 7's measure) and over the whole update. Since
-this host's speed drifts by ±15% within minutes, the anabranch child also probes the matmul speed
-right before and after each update (``harness.MatmulProbe``, 1 s each, not counted in any timing) and
-``fwd+bwd MFU (adjacent)`` reads each step's passes against the probes around them.
+Each system runs in its own child process (so each has its own peak RSS). By default both children
+stay alive and their steps run in turns, one step at a time (interleave.py): anabranch, TRL, then
+TRL, anabranch, and so on, ``--warmup`` untimed steps then ``--steps`` timed ones each; step *i* of
+both runs within a minute, so this host's drift (±15% within minutes) hits both alike, and the
+ratio of each pair of steps is printed beside the ratio of the means. ``--sequential`` runs each
+child's steps in one go instead, in the order anabranch, TRL, TRL, anabranch, ... for
+``--rounds`` rounds (half the memory: one child at a time).
+
+The parent measures the fp32 matmul peak of this machine before and after (the best of both),
+prints seconds per step, generated and trained tokens per second, peak RSS, the TRL/anabranch
+ratio, and the model FLOP utilization of anabranch's update against that peak: over the
+forward+backward passes (issue 7's measure) and over the whole update. The anabranch child also
+probes the matmul speed right before and after each update (``harness.MatmulProbe``, 1 s each, not
+counted in any timing) and ``fwd+bwd MFU (adjacent)`` reads each step's passes against the probes
+around them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -29,6 +36,7 @@ from harness import (  # noqa: E402
     AnabranchRunner, RunResult, Workload, matmul_peak_gflops, model_folder, run_trl, set_thread_env, summarize,
     update_flops,
 )
+from interleave import StepGate, run_in_turns, start_in_turn  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -40,7 +48,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="with --sequential: child runs per system")
+    ap.add_argument("--sequential", action="store_true",
+                    help="each child's steps in one go, one child at a time (default: both alive, steps in turns)")
     ap.add_argument("--threads", type=int, default=2)
     # 1536: W1 in two micro-batches of two prompt groups each, the split of the trainer's default
     # (trainer.micro_batch_size=16); as fast as one micro-batch and 1.3 GB less (docs/benchmarks.md).
@@ -63,6 +73,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--gated", action="store_true", help=argparse.SUPPRESS)  # the worker waits for its turns
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -76,11 +87,12 @@ def worker(args) -> None:
                  vllm_cpu_compile=args.vllm_cpu_compile,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
-    res = AnabranchRunner(w, args.backend).run() if args.worker == "anabranch" else run_trl(w)
+    gate = StepGate(args.gated)
+    res = AnabranchRunner(w, args.backend).run(gate) if args.worker == "anabranch" else run_trl(w, gate)
     print("RESULT " + res.to_json(), flush=True)
 
 
-def child(args, system: str, model_dir: str) -> RunResult:
+def worker_cmd(args, system: str, model_dir: str) -> list[str]:
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
@@ -91,7 +103,11 @@ def child(args, system: str, model_dir: str) -> RunResult:
     cmd += ["--compile-layers"] if args.compile_layers else []
     cmd += ["--no-probe-peak"] if args.no_probe_peak else []
     cmd += ["--vllm-cpu-compile"] if args.vllm_cpu_compile else []
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return cmd
+
+
+def child(args, system: str, model_dir: str) -> RunResult:
+    proc = subprocess.run(worker_cmd(args, system, model_dir), capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
@@ -121,10 +137,18 @@ def main() -> None:
     peak = matmul_peak_gflops(args.threads)
     runs: dict[str, list[RunResult]] = {"anabranch": [], "trl": []}
     systems = ["anabranch"] + ([] if args.skip_trl else ["trl"])
-    for r in range(args.rounds):
-        for system in systems if r % 2 == 0 else systems[::-1]:
-            print(f"round {r + 1}: {system} ...", file=sys.stderr, flush=True)
-            runs[system].append(child(args, system, model_dir))
+    idle_cpu = None
+    if args.sequential:
+        for r in range(args.rounds):
+            for system in systems if r % 2 == 0 else systems[::-1]:
+                print(f"round {r + 1}: {system} ...", file=sys.stderr, flush=True)
+                runs[system].append(child(args, system, model_dir))
+    else:
+        workers = start_in_turn({s: worker_cmd(args, s, model_dir) + ["--gated"] for s in systems})
+        print(f"{args.warmup + args.steps} steps each, in turns ...", file=sys.stderr, flush=True)
+        results, idle_cpu = run_in_turns(workers, args.warmup + args.steps)
+        for system, res in zip(systems, results):
+            runs[system].append(RunResult(**res))
     peak = max(peak, matmul_peak_gflops(args.threads))
     merged = {k: merge(v) for k, v in runs.items() if v}
     table = {k: summarize(v) for k, v in merged.items()}
@@ -157,6 +181,15 @@ def main() -> None:
         print(f"\nTRL s/step / anabranch s/step = {ratio:.2f}x (CPU time: {cpu_ratio:.2f}x)")
         table["ratio_trl_over_anabranch"] = ratio
         table["cpu_ratio_trl_over_anabranch"] = cpu_ratio
+        if not args.sequential:  # step i of both ran back to back: each pair's ratio is drift-free
+            pairs = sorted(t / a for t, a in zip(merged["trl"].step_s, merged["anabranch"].step_s))
+            print("per pair of steps run back to back: " + ", ".join(f"{p:.2f}x" for p in pairs)
+                  + f"; median {statistics.median(pairs):.2f}x")
+            table["pair_ratios"] = pairs
+    if idle_cpu is not None:
+        print("CPU time a child took while it waited for the other's step, at most: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in idle_cpu.items()))
+        table["idle_cpu_s_max"] = idle_cpu
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "peak_gflops": peak, "table": table,
                                                "runs": {k: asdict(v) for k, v in merged.items()}}, indent=1))
