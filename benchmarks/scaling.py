@@ -4,8 +4,10 @@
     python benchmarks/scaling.py --model smollm2 --backend vllm --ns 2,4,8,16 --lengths 32,64,128
 
 One process, one model and one engine; for each setting one warm-up step and ``--steps`` timed
-ones. The table gives seconds per step, its rollout and update parts, and seconds per thousand
-trained tokens (prompt + completion), which stays flat when cost grows no faster than the work.
+ones. The table gives seconds per step, its rollout and update parts, seconds per thousand
+trained tokens (prompt + completion), and the update's seconds per TFLOP of its model FLOPs
+(harness.update_flops, the tokens it computes): the last stays flat when the update's cost grows
+no faster than its work, whatever the mix of prompt, response and attention FLOPs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import AnabranchRunner, Workload, arithmetic_prompts, model_folder, set_thread_env  # noqa: E402
+from harness import (  # noqa: E402
+    AnabranchRunner, Workload, arithmetic_prompts, model_folder, set_thread_env, update_flops,
+)
 
 
 def main() -> None:
@@ -30,7 +34,10 @@ def main() -> None:
     ap.add_argument("--length-n", type=int, default=8, help="n while the completion length varies")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    # 1536, as in vs_trl.py: on CPU the update's cost per FLOP is flat across n and length at this
+    # budget and doubles at 8192 (page faults of blocks over glibc's mmap threshold, and the working
+    # set leaving the caches; docs/benchmarks.md "Cost against n and completion length, again").
+    ap.add_argument("--micro-batch-tokens", type=int, default=1536)
     args = ap.parse_args()
     set_thread_env(args.threads)
     ns = [int(n) for n in args.ns.split(",") if n]
@@ -44,7 +51,7 @@ def main() -> None:
     settings = [(n, args.n_tokens) for n in ns] + [(args.length_n, t) for t in lengths]
     print(f"model {args.model}, backend {args.backend}, {args.prompts} prompts, {args.threads} threads, fp32")
     print(f"{'n':>4} {'tokens':>7} {'s/step':>8} {'gen s':>8} {'update s':>9} {'gen tok/s':>10} "
-          f"{'s/1k trained tok':>17}")
+          f"{'s/1k trained tok':>17} {'update GFLOP':>13} {'update s/TFLOP':>15}")
     for n, tokens in settings:
         times = []
         for i in range(args.steps + 1):
@@ -56,8 +63,9 @@ def main() -> None:
         upd = sum(u for _, u in times) / len(times)
         trained = int(ro.attention_mask.sum())
         rate = int(ro.response_mask.sum()) / gen
+        flops = update_flops(w.model, ro.prompt_mask.sum(-1).tolist(), tokens, n if w.share_prompt_prefix else 1)
         print(f"{n:>4} {tokens:>7} {gen + upd:>8.2f} {gen:>8.2f} {upd:>9.2f} {rate:>10.1f} "
-              f"{1000 * (gen + upd) / trained:>17.3f}", flush=True)
+              f"{1000 * (gen + upd) / trained:>17.3f} {flops / 1e9:>13.1f} {upd / (flops / 1e12):>15.2f}", flush=True)
 
 
 if __name__ == "__main__":

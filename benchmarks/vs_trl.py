@@ -6,10 +6,10 @@
 Each system runs in its own child process (so each has its own peak RSS). By default both children
 stay alive and their steps run in turns, one step at a time (interleave.py): anabranch, TRL, then
 TRL, anabranch, and so on, ``--warmup`` untimed steps then ``--steps`` timed ones each; step *i* of
-both runs within a minute, so this host's drift (±15% within minutes) hits both alike, and the
-ratio of each pair of steps is printed beside the ratio of the means. ``--sequential`` runs each
-child's steps in one go instead, in the order anabranch, TRL, TRL, anabranch, ... for
-``--rounds`` rounds (half the memory: one child at a time).
+both runs within a minute, so this host's drift (±15% within minutes) no longer falls on one
+system's steps more than the other's, and the ratio of each pair of steps is printed beside the
+ratio of the means. ``--sequential`` runs each child's steps in one go instead, in the order
+anabranch, TRL, TRL, anabranch, ... for ``--rounds`` rounds (half the memory: one child at a time).
 
 The parent measures the fp32 matmul peak of this machine before and after (the best of both),
 prints seconds per step, generated and trained tokens per second, peak RSS, the TRL/anabranch
@@ -130,6 +130,8 @@ def merge(results: list[RunResult]) -> RunResult:
 
 def main() -> None:
     args = parse()
+    if args.rounds != 1 and not args.sequential:
+        raise SystemExit("--rounds applies to --sequential; with steps in turns, use --steps")
     set_thread_env(args.threads)
     if args.worker:
         return worker(args)
@@ -181,8 +183,8 @@ def main() -> None:
         print(f"\nTRL s/step / anabranch s/step = {ratio:.2f}x (CPU time: {cpu_ratio:.2f}x)")
         table["ratio_trl_over_anabranch"] = ratio
         table["cpu_ratio_trl_over_anabranch"] = cpu_ratio
-        if not args.sequential:  # step i of both ran back to back: each pair's ratio is drift-free
-            pairs = sorted(t / a for t, a in zip(merged["trl"].step_s, merged["anabranch"].step_s))
+        if not args.sequential:  # step i of both ran back to back, within a minute, in run order
+            pairs = [t / a for t, a in zip(merged["trl"].step_s, merged["anabranch"].step_s)]
             print("per pair of steps run back to back: " + ", ".join(f"{p:.2f}x" for p in pairs)
                   + f"; median {statistics.median(pairs):.2f}x")
             table["pair_ratios"] = pairs
