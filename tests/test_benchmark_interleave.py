@@ -57,27 +57,23 @@ def test_steps_run_in_turns_one_at_a_time_the_order_reversed_each_round(tmp_path
     assert a.proc.returncode == 0 and b.proc.returncode == 0
 
 
-def test_a_worker_that_dies_is_reported_and_the_started_ones_are_ended(tmp_path, capsys):
+def test_a_worker_that_dies_is_reported_and_the_started_ones_are_ended(tmp_path, capsys, monkeypatch):
     ok = tmp_path / "ok.py"
     ok.write_text(WORKER.format(bench=str(Path(interleave.__file__).parent)))
     crash = tmp_path / "crash.py"
     crash.write_text("import sys\nprint('loading', flush=True)\nsys.exit('no model here')\n")
     log = str(tmp_path / "log")
     started = []
-    real = interleave.GatedWorker
 
-    class Recorded(real):
+    class Recorded(interleave.GatedWorker):
         def __init__(self, *a):
             started.append(self)
             super().__init__(*a)
 
-    interleave.GatedWorker = Recorded
-    try:
-        with pytest.raises(SystemExit, match="B worker ended before its first step"):
-            interleave.start_in_turn({"A": [sys.executable, str(ok), "A", log, "1"],
-                                      "B": [sys.executable, str(crash), "B", log, "1"]})
-    finally:
-        interleave.GatedWorker = real
+    monkeypatch.setattr(interleave, "GatedWorker", Recorded)
+    with pytest.raises(SystemExit, match="B worker ended before its first step"):
+        interleave.start_in_turn({"A": [sys.executable, str(ok), "A", log, "1"],
+                                  "B": [sys.executable, str(crash), "B", log, "1"]})
     assert "no model here" in capsys.readouterr().err
     assert started[0].proc.poll() is not None  # A, stopped and waiting, was killed, not left behind
 
