@@ -205,7 +205,7 @@ class AnabranchRunner:
         return ro, t1 - t0, t2 - t1 - self.probe.wall_s
 
     def run(self, gate=None) -> RunResult:
-        """``gate``, if given, is called before each step (interleave.StepGate: the parent's turn)."""
+        """``gate``, if given, is called before each step (interleave.wait_for_turn: the parent's turn)."""
         w = self.w
         prompts, answers = self.prompts, self.answers
         res = RunResult("anabranch", self.backend_name, startup_s=self.startup_s)
@@ -235,7 +235,7 @@ class AnabranchRunner:
 
 def run_trl(w: Workload, gate=None) -> RunResult:
     """TRL's GRPOTrainer on the same workload; `_generate` is wrapped to time the rollouts. ``gate``,
-    if given, is called before each step, outside its timing (interleave.StepGate)."""
+    if given, is called before each step, outside its timing (interleave.wait_for_turn)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer

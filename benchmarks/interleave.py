@@ -8,7 +8,7 @@ runs within a minute, under the same conditions, and the ratio of each pair read
 the host.
 
 The protocol, over the worker's stdin and stdout: before each step the worker prints ``READY`` and
-waits for a line ``go`` (:class:`StepGate`); after its last step it prints its ``RESULT`` line. The
+waits for a line ``go`` (:func:`wait_for_turn`); after its last step it prints its ``RESULT`` line. The
 parent (:class:`GatedWorker`) starts a worker, reads until ``READY`` (its start-up is done), and
 :meth:`GatedWorker.step` sends ``go`` and reads until the next ``READY`` or ``RESULT``: one step,
 done. It also reads the waiting worker's CPU time around the other's step (``idle_cpu_s``), which
@@ -27,19 +27,12 @@ import tempfile
 READY, GO, RESULT = "READY", "go", "RESULT "
 
 
-class StepGate:
-    """Worker side: called before each step; with ``enabled``, waits for the parent's ``go``."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __call__(self) -> None:
-        if not self.enabled:
-            return
-        print(READY, flush=True)
-        line = sys.stdin.readline()
-        if line.strip() != GO:
-            raise SystemExit(f"step gate: expected {GO!r} from the parent, got {line!r}")
+def wait_for_turn() -> None:
+    """Worker side, before each step: say ``READY`` and wait for the parent's ``go``."""
+    print(READY, flush=True)
+    line = sys.stdin.readline()
+    if line.strip() != GO:
+        raise SystemExit(f"step gate: expected {GO!r} from the parent, got {line!r}")
 
 
 def process_cpu_s(pid: int) -> float:

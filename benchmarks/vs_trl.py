@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +35,7 @@ from harness import (  # noqa: E402
     AnabranchRunner, RunResult, Workload, matmul_peak_gflops, model_folder, run_trl, set_thread_env, summarize,
     update_flops,
 )
-from interleave import StepGate, run_in_turns, start_in_turn  # noqa: E402
+from interleave import run_in_turns, start_in_turn, wait_for_turn  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -73,7 +72,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["anabranch", "trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--gated", action="store_true", help=argparse.SUPPRESS)  # the worker waits for its turns
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -87,8 +85,9 @@ def worker(args) -> None:
                  vllm_cpu_compile=args.vllm_cpu_compile,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
-    gate = StepGate(args.gated)
-    res = AnabranchRunner(w, args.backend).run(gate) if args.worker == "anabranch" else run_trl(w, gate)
+    # the parent runs each step when it says so (interleave.py), in both orders
+    res = (AnabranchRunner(w, args.backend).run(wait_for_turn) if args.worker == "anabranch"
+           else run_trl(w, wait_for_turn))
     print("RESULT " + res.to_json(), flush=True)
 
 
@@ -104,15 +103,6 @@ def worker_cmd(args, system: str, model_dir: str) -> list[str]:
     cmd += ["--no-probe-peak"] if args.no_probe_peak else []
     cmd += ["--vllm-cpu-compile"] if args.vllm_cpu_compile else []
     return cmd
-
-
-def child(args, system: str, model_dir: str) -> RunResult:
-    proc = subprocess.run(worker_cmd(args, system, model_dir), capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"{system} worker failed (exit {proc.returncode})")
-    return RunResult(**json.loads(lines[-1][len("RESULT "):]))
 
 
 def merge(results: list[RunResult]) -> RunResult:
@@ -140,15 +130,16 @@ def main() -> None:
     runs: dict[str, list[RunResult]] = {"anabranch": [], "trl": []}
     systems = ["anabranch"] + ([] if args.skip_trl else ["trl"])
     idle_cpu = None
-    if args.sequential:
+    steps = args.warmup + args.steps
+    if args.sequential:  # the same workers, one alive at a time, all its steps in one go
         for r in range(args.rounds):
             for system in systems if r % 2 == 0 else systems[::-1]:
-                print(f"round {r + 1}: {system} ...", file=sys.stderr, flush=True)
-                runs[system].append(child(args, system, model_dir))
+                (res,), _ = run_in_turns(start_in_turn({system: worker_cmd(args, system, model_dir)}), steps)
+                runs[system].append(RunResult(**res))
     else:
-        workers = start_in_turn({s: worker_cmd(args, s, model_dir) + ["--gated"] for s in systems})
-        print(f"{args.warmup + args.steps} steps each, in turns ...", file=sys.stderr, flush=True)
-        results, idle_cpu = run_in_turns(workers, args.warmup + args.steps)
+        workers = start_in_turn({s: worker_cmd(args, s, model_dir) for s in systems})
+        print(f"{steps} steps each, in turns ...", file=sys.stderr, flush=True)
+        results, idle_cpu = run_in_turns(workers, steps)
         for system, res in zip(systems, results):
             runs[system].append(RunResult(**res))
     peak = max(peak, matmul_peak_gflops(args.threads))

@@ -16,16 +16,15 @@ import interleave  # noqa: E402
 WORKER = """
 import json, sys, threading, time
 sys.path.insert(0, {bench!r})
-from interleave import StepGate
+from interleave import wait_for_turn
 name, log, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def spin():
     while True:
         time.perf_counter()
 threading.Thread(target=spin, daemon=True).start()
-gate = StepGate(True)
 print("loading", name, flush=True)
 for i in range(steps):
-    gate()
+    wait_for_turn()
     with open(log, "a") as f:
         f.write(f"{{name}}{{i}}+ ")
     print("working on step", i, flush=True)
