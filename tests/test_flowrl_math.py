@@ -137,7 +137,7 @@ def test_options_decide_what_the_trainer_computes_and_builds():
     cfg = type("C", (), {"hidden_size": 12})()
     head = algo.module_factories["log_z"](cfg, algo.cfg)
     assert isinstance(head, LogZHead) and head.net[0].in_features == 12
-    assert resolved(reference="old", log_z="vargrad").needs == set()
+    assert resolved(reference="old", log_z="vargrad").needs == {"whole_groups"}  # log Z: a group mean
     assert resolved(reference="none", log_z="vargrad").module_factories == {}
     scalar = resolved(log_z="scalar", log_z_lr_multiplier=10.0)
     assert scalar.needs == {"ref_log_prob"}

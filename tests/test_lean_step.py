@@ -217,3 +217,62 @@ def test_update_reports_forward_backward_and_optimizer_time_apart(model):
     assert m["time/optimizer_s"] >= 0.8
     assert 4 * 0.05 <= m["time/forward_backward_s"] < 0.8
     assert m["time/forward_backward_s"] + m["time/optimizer_s"] <= wall
+
+
+def test_vargrad_under_a_token_budget_keeps_groups_whole_and_gives_the_full_batch_update(model):
+    """FlowRL's VarGrad log Z is a group mean: a budget that would split the groups (20 tokens: at
+    most one 11-token row with another) must not, or each part's mean replaces the group's."""
+    from anabranch.config import FlowRLConfig
+
+    ro = _rollout(model.config.vocab_size)
+    algo = resolve_algorithm(AlgorithmConfig(name="flowrl", flowrl=FlowRLConfig(beta=1.0, log_z="vargrad",
+                                                                               reference="none")))
+    assert "whole_groups" in algo.needs
+    plan = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index, whole_groups=True)
+    assert sorted(mb.rows.tolist() for mb in plan) == [[0, 1, 2], [3, 4, 5]]  # each group alone: 3 × 11 > 20
+    split = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index)
+    assert any(len(set(ro.group_index[mb.rows].tolist())) == 1 and len(mb.rows) < 3 for mb in split)
+
+    adv = torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.1])[:, None].expand(6, 6).contiguous()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def update(**kw):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        m = policy_update(model, opt, ro, adv, torch.zeros(6), algo, grad_clip=0.0, temperature=1.0,
+                          max_response_len=6, **kw)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, m
+
+    full, m_full = update(micro_batch_size=6)
+    packed, m_packed = update(micro_batch_size=6, micro_batch_tokens=20)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    assert sum(float((full[n] - start[n]).abs().sum()) for n in start) > 0
+    for n in start:
+        assert torch.allclose(full[n], packed[n], atol=1e-6), n
+    assert m_full["loss"] == pytest.approx(m_packed["loss"], abs=1e-6)
+
+
+def test_auto_micro_batch_tokens_is_a_cpu_budget_that_keeps_the_logits_in_theirs_and_rows_elsewhere():
+    from anabranch.models.logprobs import LOGITS_BUDGET_BYTES
+    from anabranch.trainer.microbatch import resolve_micro_batch_tokens
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert LOGITS_BUDGET_BYTES == 512 * 2**20
+    assert resolve_micro_batch_tokens(-1, cpu, 49152) == 2730  # 2730 × 49,152 × 4 B ≤ 512 MiB < 2731 × ...
+    assert resolve_micro_batch_tokens(-1, cpu, 151936) == 883  # Qwen2.5's vocabulary
+    assert resolve_micro_batch_tokens(-1, cpu, 99) == 3072  # the cap
+    assert resolve_micro_batch_tokens(-1, cpu, 1_000_000) == 512  # the floor
+    assert resolve_micro_batch_tokens(-1, cuda, 49152) == 0
+    assert resolve_micro_batch_tokens(-1, cpu, 49152, sharded=True) == 0  # FSDP/ZeRO-3: same count on every rank
+    assert resolve_micro_batch_tokens(0, cpu, 49152) == 0 and resolve_micro_batch_tokens(4096, cuda, 49152) == 4096
+
+
+def test_micro_batch_tokens_below_minus_one_is_refused():
+    from anabranch.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="trainer.micro_batch_tokens"):
+        load_config(None, ["trainer.micro_batch_tokens=-2"])

@@ -115,3 +115,15 @@ def test_group_estimator_needs_two_samples(tiny_model_dir, write_jsonl, tmp_path
                                            **{"rollout.n": 1}))
     with pytest.raises(ConfigError, match="rollout.n"):
         train(cfg)
+
+
+@pytest.mark.parametrize("tokens,expected", [(-1, 1), (0, 4)])
+def test_cpu_default_packs_micro_batches_by_tokens(tiny_model_dir, write_jsonl, tmp_path, tokens, expected):
+    """trainer.micro_batch_tokens=-1 (the default) is a token budget on CPU: the 4 groups of 8 short
+    rows fit one micro-batch, where rows of trainer.micro_batch_size=2 give one per group (groups stay whole)."""
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path, **{
+        "trainer.steps": 2, "trainer.micro_batch_size": 2, "trainer.micro_batch_tokens": tokens,
+        "trainer.eval_before": False, "trainer.eval_after": False}))
+    assert load_config(None, []).trainer.micro_batch_tokens == -1  # the default
+    result = train(cfg)
+    assert [m["micro_batches"] for m in result.history] == [float(expected)] * 2

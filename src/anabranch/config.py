@@ -233,7 +233,10 @@ class TrainerConfig:
     micro_batch_size: int = 16
     # When > 0, micro-batches are packed by length to at most this many (padded) tokens each and
     # micro_batch_size is ignored; padding shared by a micro-batch is cut (trainer/microbatch.py).
-    micro_batch_tokens: int = 0
+    # 0: rows of micro_batch_size. -1 (auto): on CPU up to 3072 tokens, as many as keep the LM
+    # head's logits within its budget (larger micro-batches cost up to twice as much per token
+    # there); on GPUs and for sharded models 0.
+    micro_batch_tokens: int = -1
     # Run each prompt once for its n samples in the training and log-prob forwards (a KV cache
     # expanded to the group's rows): the same numbers with fewer tokens computed. Used only for
     # plain Hugging Face decoders without gradient checkpointing or dropout, and rows whose prompts

@@ -202,6 +202,8 @@ def validate(cfg: Config) -> None:
         (cfg.trainer.lr > 0, "trainer.lr", "must be positive"),
         (cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0"),
         (cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1"),
+        (cfg.trainer.micro_batch_tokens >= -1, "trainer.micro_batch_tokens",
+         "must be > 0 (a token budget), 0 (rows of trainer.micro_batch_size) or -1 (auto)"),
         (cfg.rollout.n >= 1, "rollout.n", "must be >= 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),

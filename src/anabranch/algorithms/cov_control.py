@@ -13,7 +13,8 @@ covariance collapse the entropy. Per token, over the response tokens of the (mic
   the unclipped −ρ·Â elsewhere. (k, β) = (``cov_kl_ratio``, ``cov_kl_coef``), paper 2e-3, 1.
   With ``ppo_epochs=1`` and one mini-batch, π_old = π_θ and the penalty has no gradient.
 
-The selection is made per micro-batch (exact when ``trainer.micro_batch_size`` ≥ the step batch).
+The selection is made per micro-batch (exact when one micro-batch holds the step batch:
+``trainer.micro_batch_tokens`` large enough, or 0 with ``trainer.micro_batch_size`` ≥ the step batch).
 """
 
 from __future__ import annotations

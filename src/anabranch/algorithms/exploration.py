@@ -9,7 +9,8 @@ own token entropies H_t (detached). They apply to every objective and are off by
   Effective Reinforcement Learning for LLM Reasoning"): Â'_t = Â_t · [H_t ≥ q_{1−ρ}(H)] keeps the
   policy gradient only on the top-ρ fraction of response tokens by entropy (ρ =
   ``entropy_top_rho``, paper 0.2; 1 = off). The quantile is taken over the micro-batch's
-  response tokens (exact when ``trainer.micro_batch_size`` ≥ the step batch). The other tokens
+  response tokens (exact when one micro-batch holds the step batch: ``trainer.micro_batch_tokens``
+  large enough, or 0 with ``trainer.micro_batch_size`` ≥ the step batch). The other tokens
   still count in the loss normalizer, so the step size per kept token is unchanged.
 """
 

@@ -31,7 +31,8 @@ and the policy is trained toward it with, per sequence y of length |y|,
   variance of ζ (Richter et al. 2020, "VarGrad: A Low-Variance Gradient Estimator for Variational
   Inference"; Zhang et al. 2023 use it for GFlowNets). Its gradient equals that of the same loss
   with the mean held fixed, because the deviations from a mean sum to zero. The trainer never
-  splits a group across micro-batches, so the group mean is the whole group's.
+  splits a group across micro-batches for it (the ``whole_groups`` need, also under a token budget),
+  so the group mean is the whole group's.
 
 There is no PPO token clipping and no entropy term, and ``loss_agg_mode`` does not apply (the
 loss is always a sequence mean), as in the reference code. Groups whose rewards are all equal
@@ -69,6 +70,8 @@ def flowrl_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
         needs.append("ref_log_prob")
     if f.log_z == "head":
         needs.append("hidden")
+    if f.log_z == "vargrad":
+        needs.append("whole_groups")  # log Z is a group mean: no micro-batch may hold part of a group
     return tuple(needs)
 
 

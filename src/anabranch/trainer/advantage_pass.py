@@ -31,17 +31,17 @@ class AdvantageBatch:
 
 @torch.no_grad()
 def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, modules: dict | None = None,
-                    values: bool = False, share_prefix: bool = False):
+                    values: bool = False, share_prefix: bool = False, micro_batch_tokens: int = 0):
     """log π(response) and, when asked, the value head's V for every response token.
 
-    Micro-batches of ``micro`` rows; with ``share_prefix`` (and a model that supports it) they hold
-    whole groups and each group's prompt runs once."""
+    Micro-batches of ``micro`` rows, or packed by ``micro_batch_tokens`` when > 0 (as the update's);
+    with ``share_prefix`` (and a model that supports it) each group's prompt runs once."""
     share = share_prefix and supports_shared_prefix(model)
     device = next(model.parameters()).device
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     width = rollout.response_ids.shape[1]
-    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro,
-                              group_index=rollout.group_index if share else None)
+    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro, micro_batch_tokens,
+                              group_index=rollout.group_index if share else None, share_prefix=share)
     lps = torch.zeros(ids.shape[0], width)
     vals = torch.zeros(ids.shape[0], width) if values else None
     for mb in plan:
@@ -54,13 +54,14 @@ def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, mod
 
 def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, micro_batch_size: int,
                        temperature: float, ref_model=None, modules: dict | None = None,
-                       kl_controller=None, share_prompt_prefix: bool = True) -> AdvantageBatch:
+                       kl_controller=None, share_prompt_prefix: bool = True,
+                       micro_batch_tokens: int = 0) -> AdvantageBatch:
     cfg, needs = algo.cfg, algo.needs
     mask = rollout.response_mask.float()
     pre: dict = {}
     if "old_log_prob" in needs or "values" in needs:
         old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs,
-                                      share_prompt_prefix)
+                                      share_prompt_prefix, micro_batch_tokens)
         if "old_log_prob" in needs:
             pre["old_log_prob"] = old
         if values is not None:
@@ -69,7 +70,8 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
         pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature,
-                                                 share_prefix=share_prompt_prefix)
+                                                 share_prefix=share_prompt_prefix,
+                                                 micro_batch_tokens=micro_batch_tokens)
 
     metrics: dict = {}
     token_rewards = token_level_rewards(rewards, mask)

@@ -21,6 +21,7 @@ from anabranch.trainer.sharded_state import full_model_state
 from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
+from anabranch.trainer.microbatch import resolve_micro_batch_tokens
 from anabranch.trainer.progress import Progress
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
@@ -57,6 +58,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+    micro_tokens = resolve_micro_batch_tokens(cfg.trainer.micro_batch_tokens, next(c.model.parameters()).device,
+                                              c.model.config.vocab_size, dist.sharded)
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
@@ -93,13 +96,14 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             adv = compute_advantages(c.algo, c.model, train_rollout, rewards,
                                      micro_batch_size=cfg.trainer.micro_batch_size,
                                      temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
-                                     kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix)
+                                     kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
+                                     micro_batch_tokens=micro_tokens)
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
                 ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
-                dist=dist.active, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
             )
         scheduler.step()

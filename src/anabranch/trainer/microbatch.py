@@ -52,6 +52,34 @@ class MicroBatch:
         return torch.nn.functional.pad(h, (0, 0, self.left, total - self.right))
 
 
+# trainer.micro_batch_tokens=-1 (the default) on CPU: micro-batches of at most this many computed
+# tokens, fewer where the LM head's fp32 logits of that many response tokens would not fit
+# models/logprobs.py's LOGITS_BUDGET_BYTES (the fused head keeps them for its backward pass; above
+# it they are recomputed in chunks, and the large blocks are mapped and page-faulted in again every
+# micro-batch). 16 rows of long completions exceed it: SmolLM2 with 256-token completions updates
+# 1.19x faster in 2,085-token micro-batches than in 16 rows, the 16.5M model 1.85x; at 128 tokens
+# both plans cost the same (docs/benchmarks.md, "Micro-batches sized by tokens on CPU").
+CPU_MICRO_BATCH_TOKENS = 3072
+# The least budget auto picks for a very large vocabulary (the head then recomputes its logits).
+CPU_MIN_MICRO_BATCH_TOKENS = 512
+
+
+def resolve_micro_batch_tokens(setting: int, device: torch.device, vocab_size: int, sharded: bool = False) -> int:
+    """``trainer.micro_batch_tokens`` as the update uses it: a positive budget or 0 as set; -1 (auto)
+    is, for a model on CPU that is not sharded (FSDP / ZeRO-3 need the same micro-batch count on
+    every rank), :data:`CPU_MICRO_BATCH_TOKENS` or the response tokens whose logits fit the head's
+    budget if fewer (SmolLM2's 49,152-token vocabulary: 2,730), and 0 (rows of
+    ``trainer.micro_batch_size``) elsewhere."""
+    if setting >= 0:
+        return setting
+    if device.type != "cpu" or sharded:
+        return 0
+    from anabranch.models.logprobs import LOGITS_BUDGET_BYTES
+
+    fits = LOGITS_BUDGET_BYTES // (4 * max(vocab_size, 1))
+    return max(min(CPU_MICRO_BATCH_TOKENS, fits), CPU_MIN_MICRO_BATCH_TOKENS)
+
+
 def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None = None) -> list[slice]:
     """Slices of about ``micro`` rows. With ``group_index`` (groups contiguous, as every backend
     returns them) a slice never ends inside a group, so group-level objectives (FlowRL's VarGrad)
@@ -69,7 +97,7 @@ def micro_batches(batch_size: int, micro: int, group_index: torch.Tensor | None 
 
 def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, micro_batch_size: int,
                        micro_batch_tokens: int = 0, group_index: torch.Tensor | None = None,
-                       share_prefix: bool = False) -> list[MicroBatch]:
+                       share_prefix: bool = False, whole_groups: bool = False) -> list[MicroBatch]:
     """Split a [B, P] + [B, R] batch into micro-batches (see the module docstring).
 
     In the fixed-size mode, with ``group_index``, a micro-batch never ends inside a prompt's group
@@ -77,68 +105,66 @@ def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, m
     rows by length and may split groups; with ``share_prefix`` (and ``group_index``) it packs whole
     groups instead, so that each group's prompt runs once (models/shared_prefix.py), and counts
     the tokens that are then computed: one prompt per group plus every row's response. A group
-    over the budget on its own is split into row chunks that each share the prompt."""
+    over the budget on its own is split into row chunks that each share the prompt, unless
+    ``whole_groups`` (an objective with a per-group term in its loss): then groups are never split,
+    and a group over the budget gets a micro-batch of its own."""
     batch, width_p = prompt_mask.shape
     width_r = response_mask.shape[1]
     if micro_batch_tokens <= 0:
         return [MicroBatch(torch.arange(s.start, s.stop), 0, width_p + width_r, width_p, width_r)
                 for s in micro_batches(batch, micro_batch_size, group_index)]
-    p_len = prompt_mask.sum(-1)
-    r_len = response_mask.sum(-1)
-    if share_prefix and group_index is not None:
-        packs = _pack_groups(p_len.tolist(), r_len.tolist(), group_index.tolist(), micro_batch_tokens)
+    p_len = prompt_mask.sum(-1).tolist()
+    r_len = response_mask.sum(-1).tolist()
+    shared = share_prefix and group_index is not None
+    if group_index is not None and (shared or whole_groups):
+        units = _groups(group_index.tolist())
+        if shared and not whole_groups:
+            units = [chunk for u in units for chunk in _split_group(u, p_len, r_len, micro_batch_tokens)]
     else:
-        packs = _pack_rows(p_len, r_len, micro_batch_tokens)
+        units = [[i] for i in range(batch)]
     out = []
-    for g in packs:
+    for g in _pack(units, p_len, r_len, micro_batch_tokens, shared):
         rows = torch.tensor(sorted(g))
         # At least one response column, so every row predicts something (masked when empty).
-        keep_p = int(p_len[rows].max())
-        keep_r = max(int(r_len[rows].max()), 1)
+        keep_p = max(p_len[i] for i in g)
+        keep_r = max(max(r_len[i] for i in g), 1)
         out.append(MicroBatch(rows, width_p - keep_p, width_p + keep_r, width_p, width_r))
     return out
 
 
-def _pack_rows(p_len: torch.Tensor, r_len: torch.Tensor, budget: int) -> list[list[int]]:
-    """Rows longest first, greedily, while rows × (longest prompt + longest response) fits."""
-    order = torch.argsort(p_len + r_len, descending=True, stable=True)
-    packs, current, cur_p, cur_r = [], [], 0, 0
-    for i in order.tolist():
-        p, r = int(p_len[i]), int(r_len[i])
-        new_p, new_r = max(cur_p, p), max(cur_r, r)
-        if current and (len(current) + 1) * (new_p + new_r) > budget:
-            packs.append(current)
-            current, new_p, new_r = [], p, r
-        current.append(i)
-        cur_p, cur_r = new_p, new_r
-    if current:
-        packs.append(current)
-    return packs
-
-
-def _pack_groups(p_len: list[int], r_len: list[int], group_index: list[int], budget: int) -> list[list[int]]:
-    """Whole groups (runs of equal ``group_index``) longest first, greedily, while
-    groups × longest prompt + rows × longest response fits the budget."""
+def _groups(group_index: list[int]) -> list[list[int]]:
+    """Runs of equal ``group_index`` (a prompt's samples are consecutive), as row lists."""
     units: list[list[int]] = []
     for i, g in enumerate(group_index):
         if units and group_index[units[-1][-1]] == g:
             units[-1].append(i)
         else:
             units.append([i])
-    # A group too long for the budget alone: chunks of rows that fit (each chunk shares its prompt).
-    split = []
-    for u in units:
-        p, r = max(p_len[i] for i in u), max(max(r_len[i] for i in u), 1)
-        k = max((budget - p) // r, 1)
-        split.extend(u[s:s + k] for s in range(0, len(u), k))
-    split.sort(key=lambda u: -max(p_len[i] + r_len[i] for i in u))  # stable: ties keep input order
+    return units
+
+
+def _split_group(unit: list[int], p_len: list[int], r_len: list[int], budget: int) -> list[list[int]]:
+    """A group too long for the budget alone: chunks of rows that fit (each chunk shares its prompt)."""
+    p, r = max(p_len[i] for i in unit), max(max(r_len[i] for i in unit), 1)
+    k = max((budget - p) // r, 1)
+    return [unit[s:s + k] for s in range(0, len(unit), k)]
+
+
+def _pack(units: list[list[int]], p_len: list[int], r_len: list[int], budget: int,
+          shared: bool) -> list[list[int]]:
+    """Units (rows or groups) longest first, greedily, while the micro-batch's tokens fit the budget:
+    rows × (longest prompt + longest response), or with ``shared`` prompts (one per unit)
+    units × longest prompt + rows × longest response. A unit over the budget alone is packed alone."""
+    units = sorted(units, key=lambda u: -max(p_len[i] + r_len[i] for i in u))  # stable: ties keep input order
     packs, current, n_units, cur_p, cur_r = [], [], 0, 0, 0
-    for u in split:
-        p, r = max(p_len[i] for i in u), max(r_len[i] for i in u)
-        new_p, new_r = max(cur_p, p), max(cur_r, r)
-        if current and (n_units + 1) * new_p + (len(current) + len(u)) * new_r > budget:
+    for u in units:
+        new_p, new_r = max(cur_p, *(p_len[i] for i in u)), max(cur_r, *(r_len[i] for i in u))
+        rows = len(current) + len(u)
+        tokens = (n_units + 1) * new_p + rows * new_r if shared else rows * (new_p + new_r)
+        if current and tokens > budget:
             packs.append(current)
-            current, n_units, new_p, new_r = [], 0, p, r
+            current, n_units = [], 0
+            new_p, new_r = max(p_len[i] for i in u), max(r_len[i] for i in u)
         current.extend(u)
         n_units += 1
         cur_p, cur_r = new_p, new_r

@@ -90,7 +90,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
     share_prefix = share_prompt_prefix and supports_shared_prefix(model)
     plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
-                              group_index=rollout.group_index, share_prefix=share_prefix)
+                              group_index=rollout.group_index, share_prefix=share_prefix,
+                              whole_groups="whole_groups" in algo.needs)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
@@ -171,6 +172,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     n_epochs = cfg.ppo_epochs
     out = {k: (v / n_epochs if k != "grad_norm" else v) for k, v in totals.items()}
     out["skipped_updates"] = float(skipped)
+    out["micro_batches"] = float(len(plan))  # per pass over the batch (trainer.micro_batch_tokens / _size)
     out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
     finish_diagnostics(out)
     return out
