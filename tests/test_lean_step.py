@@ -220,8 +220,8 @@ def test_update_reports_forward_backward_and_optimizer_time_apart(model):
 
 
 def test_vargrad_under_a_token_budget_keeps_groups_whole_and_gives_the_full_batch_update(model):
-    """FlowRL's VarGrad log Z is a group mean: a budget that would split the groups (20 tokens: at
-    most one 11-token row with another) must not, or each part's mean replaces the group's."""
+    """FlowRL's VarGrad log Z is a group mean: a budget that would split the groups (20 tokens hold
+    no group of three) must not, or each part's mean stands in for the group's."""
     from anabranch.config import FlowRLConfig
 
     ro = _rollout(model.config.vocab_size)
@@ -230,8 +230,12 @@ def test_vargrad_under_a_token_budget_keeps_groups_whole_and_gives_the_full_batc
     assert "whole_groups" in algo.needs
     plan = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index, whole_groups=True)
     assert sorted(mb.rows.tolist() for mb in plan) == [[0, 1, 2], [3, 4, 5]]  # each group alone: 3 × 11 > 20
-    split = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index)
-    assert any(len(set(ro.group_index[mb.rows].tolist())) == 1 and len(mb.rows) < 3 for mb in split)
+    shared = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index, share_prefix=True,
+                                whole_groups=True)  # one prompt + 3 responses: 5 + 3 × 6 > 20
+    assert sorted(mb.rows.tolist() for mb in shared) == [[0, 1, 2], [3, 4, 5]]
+    for kw in ({}, {"share_prefix": True}):  # without the need, both modes split the groups
+        split = plan_micro_batches(ro.prompt_mask, ro.response_mask, 6, 20, ro.group_index, **kw)
+        assert any(len(mb.rows) < 3 for mb in split), kw
 
     adv = torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.1])[:, None].expand(6, 6).contiguous()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
