@@ -238,9 +238,10 @@ class TrainerConfig:
     # there); on GPUs and for sharded models 0.
     micro_batch_tokens: int = -1
     # Run each prompt once for its n samples in the training and log-prob forwards (a KV cache
-    # expanded to the group's rows): the same numbers with fewer tokens computed. Used only for
-    # plain Hugging Face decoders without gradient checkpointing or dropout, and rows whose prompts
-    # are really identical; otherwise the ordinary forward runs (models/shared_prefix.py).
+    # expanded to the group's rows) and in the generate backend's prefill: the same numbers with
+    # fewer tokens computed. Used only for plain Hugging Face decoders without gradient
+    # checkpointing or dropout, and rows whose prompts are really identical; otherwise the
+    # ordinary forward runs (models/shared_prefix.py).
     share_prompt_prefix: bool = True
     # CPU: run RMSNorm, the gated MLP's element-wise part and the rotary embedding of Llama-style
     # policies through torch.compile (fused loops, forward and backward; about 35 s of compilation

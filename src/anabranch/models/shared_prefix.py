@@ -114,3 +114,27 @@ def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.T
     response_out = decoder(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
                            position_ids=position_ids[:, prompt_len:], past_key_values=cache, use_cache=True)
     return prompt_out.last_hidden_state, response_out.last_hidden_state
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """For ``generate``: a KV cache of every row's prompt but its last token, each distinct prompt of
+    adjacent identical rows computed once and the cache expanded to the rows (``None`` when no two
+    adjacent rows share a prompt, the prompt is a single token, or the model is not supported).
+
+    ``generate`` given this cache runs only the prompts' last token before it samples, with the
+    positions it would use itself; the n samples of a prompt then cost one prefill instead of n."""
+    from anabranch.models.logprobs import position_ids_from_mask
+
+    group = prefix_groups(prompt_ids, prompt_mask)
+    if group is None or prompt_ids.shape[1] < 2 or not supports_shared_prefix(model):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = _plain_cache(base)
+    first = torch.ones_like(group, dtype=torch.bool)
+    first[1:] = group[1:] != group[:-1]
+    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
+    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                        past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(group.to(prompt_ids.device))
+    return cache

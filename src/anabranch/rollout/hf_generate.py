@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from anabranch.config import RolloutConfig
+from anabranch.models.shared_prefix import shared_prompt_cache
 from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
 
 
@@ -26,6 +27,8 @@ class HFGenerateBackend:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.eos_ids = eos_token_ids(model, tokenizer)
+        # Prefill each prompt once for its n samples (models/shared_prefix.py) where the model allows.
+        self.share_prompt_prefix = True
 
     def sync_weights(self, model) -> None:  # samples from the training model: nothing to sync
         self.model = model
@@ -59,6 +62,14 @@ class HFGenerateBackend:
             for start in range(0, prompt_ids.shape[0], chunk):
                 ids = prompt_ids[start:start + chunk].to(device)
                 mask = prompt_mask[start:start + chunk].to(device)
+                # The n samples of a prompt share its prefill (a KV cache computed once per prompt);
+                # not under synced_gpus, where every rank must run the same forwards.
+                cache = None if kwargs.get("synced_gpus") or not self.share_prompt_prefix \
+                    else shared_prompt_cache(self.model, ids, mask)
+                if cache is not None:
+                    kwargs["past_key_values"] = cache
+                else:
+                    kwargs.pop("past_key_values", None)
                 out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 pieces.append(out[:, ids.shape[1]:].cpu())
         finally:

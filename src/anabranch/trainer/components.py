@@ -91,6 +91,8 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
         backend_kwargs = {"mixed_precision": mixed_precision,
                           "kv_tokens": largest_generate_kv(cfg, longest_prompt, len(eval_prompts))}
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout, **backend_kwargs)
+    if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
+        backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
