@@ -71,5 +71,6 @@ def test_the_shared_cache_equals_the_rows_own_prefill(backend):
                                                 a.keys.shape[-1])
         assert torch.allclose(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real], atol=1e-5)
         assert torch.allclose(a.values.transpose(1, 2)[real], b.values.transpose(1, 2)[real], atol=1e-5)
-    # Nothing to share: one sample per prompt.
+    # Nothing to share: one sample per prompt; or right padding (the last column is not every row's last token).
     assert shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"]) is None
+    assert shared_prompt_cache(model, ids, mask.flip(-1)) is None

@@ -127,7 +127,9 @@ def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     from anabranch.models.logprobs import position_ids_from_mask
 
     group = prefix_groups(prompt_ids, prompt_mask)
-    if group is None or prompt_ids.shape[1] < 2 or not supports_shared_prefix(model):
+    # Left padding only: the cache must stop right before every row's last real token.
+    if group is None or prompt_ids.shape[1] < 2 or not bool(prompt_mask[:, -1].all()) \
+            or not supports_shared_prefix(model):
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cache = _plain_cache(base)
