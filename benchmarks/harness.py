@@ -178,6 +178,8 @@ class AnabranchRunner:
         if backend == "vllm":
             extra["kv_tokens"] = engine_kv_tokens(self.tok, self.prompts, w.prompts_per_step * w.n, w.tokens)
         self.backend = ROLLOUT_BACKENDS.get(backend)(self.model, self.tok, self.rollout_cfg, **extra)
+        if hasattr(self.backend, "share_prompt_prefix"):  # generate's shared prefill, as trainer/components.py
+            self.backend.share_prompt_prefix = w.share_prompt_prefix
         self.algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
         self.opt = adamw(self.model.parameters(), lr=LR, weight_decay=0.0)  # fused, as in the trainer
         self.startup_s = time.perf_counter() - t0
