@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import model_folder, random_rollout  # noqa: E402
+from harness import update_batch  # noqa: E402
 
 
 def main() -> None:
@@ -29,25 +29,15 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=1536)
     args = ap.parse_args()
 
-    from anabranch.algorithms.resolve import resolve_algorithm
-    from anabranch.config import AlgorithmConfig, ModelConfig
     from anabranch.models import fused_layers
-    from anabranch.models.loading import load_model, load_tokenizer
-    from anabranch.trainer.components import adamw
     from anabranch.trainer.host_memory import keep_freed_host_memory
     from anabranch.trainer.step import policy_update
 
     torch.set_num_threads(2)
     keep_freed_host_memory()
-    path = model_folder(args.model)
-    tok = load_tokenizer(ModelConfig(path=path))
-    model = load_model(ModelConfig(path=path), torch.device("cpu"))
     B, R = 32, 64
-    ro = random_rollout(tok, 4, 8, R)
-    algo = resolve_algorithm(AlgorithmConfig())
-    opt = adamw(model.parameters(), lr=1e-6)
-    rewards = torch.rand(B)
-    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
+    b = update_batch(args.model, 4, 8, R)
+    model = b.model
     kw = dict(micro_batch_size=B, grad_clip=1.0, temperature=1.0, max_response_len=R,
               micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=True)
 
@@ -55,7 +45,7 @@ def main() -> None:
         if compiled:
             fused_layers.install(model)
         start = time.perf_counter()
-        policy_update(model, opt, ro, adv, rewards, algo, **kw)
+        policy_update(model, b.optimizer, b.rollout, b.advantages, b.rewards, b.algo, **kw)
         seconds = time.perf_counter() - start
         if compiled:
             fused_layers.uninstall(model)

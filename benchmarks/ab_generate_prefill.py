@@ -9,7 +9,6 @@ pairs of sampled rollouts of exactly ``--tokens`` new tokens (min = max) from ba
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,15 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_prompts, model_folder  # noqa: E402
+from harness import arithmetic_prompts, batch_parser, model_folder  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap = batch_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
 

@@ -11,7 +11,6 @@ each update's wall time, its minor page faults and the micro-batch count, then t
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import sys
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import model_folder, random_rollout, update_flops  # noqa: E402
+from harness import batch_parser, update_batch, update_flops  # noqa: E402
 
 
 def parse_plan(name: str) -> dict:
@@ -33,39 +32,25 @@ def parse_plan(name: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap = batch_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plans", nargs="+", default=["rows16", "tokens1536"])
     args = ap.parse_args()
     plans = {name: parse_plan(name) for name in args.plans}
 
-    from anabranch.algorithms.resolve import resolve_algorithm
-    from anabranch.config import AlgorithmConfig, ModelConfig
-    from anabranch.models.loading import load_model, load_tokenizer
     from anabranch.models.shared_prefix import supports_shared_prefix
-    from anabranch.trainer.components import adamw
     from anabranch.trainer.host_memory import keep_freed_host_memory
     from anabranch.trainer.microbatch import plan_micro_batches
     from anabranch.trainer.step import policy_update
 
     torch.set_num_threads(2)
     keep_freed_host_memory()  # as the trainer does on CPU
-    path = model_folder(args.model)
-    tok = load_tokenizer(ModelConfig(path=path))
-    model = load_model(ModelConfig(path=path), torch.device("cpu"))
-    B, R = args.prompts * args.n, args.tokens
-    ro = random_rollout(tok, args.prompts, args.n, R)
-    algo = resolve_algorithm(AlgorithmConfig())
-    opt = adamw(model.parameters(), lr=1e-6)
-    rewards = torch.rand(B)
-    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
+    b = update_batch(args.model, args.prompts, args.n, args.tokens)
+    model, ro, R = b.model, b.rollout, args.tokens
+    B = ro.response_ids.shape[0]
     share = supports_shared_prefix(model)
     prompt_lens = ro.prompt_mask.sum(-1).tolist()
-    gflop = update_flops(path, prompt_lens, R, group_size=args.n if share else 1) / 1e9
+    gflop = update_flops(b.path, prompt_lens, R, group_size=args.n if share else 1) / 1e9
     print(f"{B} sequences, prompts {sorted(set(prompt_lens))} + {R} tokens; {gflop:.0f} model GFLOP an update")
 
     def update(plan: dict) -> tuple[float, int, int]:
@@ -74,7 +59,7 @@ def main() -> None:
                                        kw["micro_batch_tokens"], ro.group_index, share))
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
-        policy_update(model, opt, ro, adv, rewards, algo, grad_clip=1.0, temperature=1.0, max_response_len=R,
+        policy_update(model, b.optimizer, ro, b.advantages, b.rewards, b.algo, grad_clip=1.0, temperature=1.0, max_response_len=R,
                       share_prompt_prefix=True, **kw)
         return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, count
 

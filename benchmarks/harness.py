@@ -8,6 +8,7 @@ AdamW settings (torch's fused AdamW on both sides: TRL's default, and anabranch'
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -128,6 +129,46 @@ def random_rollout(tokenizer, prompts: int, n: int, tokens: int):
     return Rollout(enc["input_ids"].repeat_interleave(n, 0), enc["attention_mask"].repeat_interleave(n, 0),
                    torch.randint(100, 1000, (rows, tokens)), torch.ones(rows, tokens, dtype=torch.long),
                    torch.arange(prompts).repeat_interleave(n), texts, [""] * rows, torch.ones(rows, dtype=torch.bool))
+
+
+def batch_parser(description: str, model: str = "smollm2", prompts: int = 4) -> argparse.ArgumentParser:
+    """A benchmark's argument parser holding the batch it measures: ``--model`` (tiny, smollm2 or a
+    folder), ``--prompts`` × ``--n`` samples of ``--tokens`` new tokens (W1's 4 × 8 × 64 by default)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    return ap
+
+
+@dataclass
+class UpdateBatch:
+    path: str
+    model: torch.nn.Module
+    rollout: object  # anabranch.rollout.base.Rollout
+    algo: object
+    optimizer: torch.optim.Optimizer
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+
+def update_batch(model: str, prompts: int, n: int, tokens: int, device: str = "cpu") -> UpdateBatch:
+    """What timing ``policy_update`` alone needs: the model loaded as the trainer loads it, a
+    :func:`random_rollout`, GRPO advantages of random rewards and the trainer's fused AdamW."""
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import AlgorithmConfig, ModelConfig
+    from anabranch.models.loading import load_model, load_tokenizer
+    from anabranch.trainer.components import adamw
+
+    path = model_folder(model)
+    tok = load_tokenizer(ModelConfig(path=path))
+    policy = load_model(ModelConfig(path=path), torch.device(device))
+    ro = random_rollout(tok, prompts, n, tokens)
+    algo = resolve_algorithm(AlgorithmConfig())
+    rewards = torch.rand(prompts * n)
+    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
+    return UpdateBatch(path, policy, ro, algo, adamw(policy.parameters(), lr=LR), rewards, adv)
 
 
 def engine_kv_tokens(tokenizer, prompts: list[str], sequences: int, tokens: int) -> int:

@@ -12,7 +12,6 @@ then one under ``torch.profiler`` whose top operators by CPU time are printed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,15 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import model_folder, random_rollout  # noqa: E402
+from harness import batch_parser, update_batch  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap = batch_parser(__doc__, model="tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--no-share-prefix", action="store_true", help="trainer.share_prompt_prefix=false")
@@ -47,10 +42,6 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from anabranch.algorithms.resolve import resolve_algorithm
-    from anabranch.config import AlgorithmConfig, ModelConfig
-    from anabranch.models.loading import load_model, load_tokenizer
-    from anabranch.trainer.components import adamw
     from anabranch.models import logprobs
     from anabranch.trainer.step import policy_update
 
@@ -62,15 +53,9 @@ def main() -> None:
     if args.logits_budget_mib:
         logprobs.LOGITS_BUDGET_BYTES = args.logits_budget_mib * 2**20
     device = torch.device(args.device)
-    path = model_folder(args.model)
-    tok = load_tokenizer(ModelConfig(path=path))
-    model = load_model(ModelConfig(path=path), device)
+    b = update_batch(args.model, args.prompts, args.n, args.tokens, args.device)
+    model, ro = b.model, b.rollout
     B, R = args.prompts * args.n, args.tokens
-    ro = random_rollout(tok, args.prompts, args.n, R)
-    algo = resolve_algorithm(AlgorithmConfig())
-    opt = adamw(model.parameters(), lr=1e-6)
-    rewards = torch.rand(B)
-    adv = algo.advantage(rewards, ro.group_index, ro.response_mask.float(), algo.cfg)
     kw = dict(micro_batch_size=args.micro_batch_size or B, grad_clip=1.0, temperature=1.0, max_response_len=R,
               micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix)
     print(f"prompt tokens per sequence: {ro.prompt_mask[::args.n].sum(-1).tolist()}; {B} x {R} response tokens")
@@ -78,7 +63,7 @@ def main() -> None:
 
     def update():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            policy_update(model, opt, ro, adv, rewards, algo, **kw)
+            policy_update(model, b.optimizer, ro, b.advantages, b.rewards, b.algo, **kw)
         if cuda:
             torch.cuda.synchronize()
 

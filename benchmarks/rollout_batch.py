@@ -10,7 +10,6 @@ generated tokens per second (``--compiled``: vLLM's torch.compile of the model, 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -18,15 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_prompts, engine_kv_tokens, model_folder, set_thread_env  # noqa: E402
+from harness import arithmetic_prompts, batch_parser, engine_kv_tokens, model_folder, set_thread_env  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap = batch_parser(__doc__, prompts=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)

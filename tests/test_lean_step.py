@@ -118,12 +118,9 @@ def test_token_budget_plan_covers_every_row_once_within_budget():
     assert all(mb.left == 0 and mb.right == 11 for mb in fixed)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_token_budget_micro_batches_give_the_full_batch_update(model, mode):
-    ro = _rollout(model.config.vocab_size)
-    algo = resolve_algorithm(AlgorithmConfig(loss_agg_mode=mode, entropy_coef=0.01))
-    adv = torch.randn(6, 1).expand(6, ro.response_ids.shape[1]).contiguous()
-    rewards = torch.arange(6.0)
+def _whole_and_packed_updates(model, ro, adv, rewards, algo):
+    """One SGD step (lr 1) from the same weights, the batch in one micro-batch and then packed by a
+    20-token budget: ``(start, (weights, metrics), (weights, metrics))``; the weights are put back."""
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def update(**kw):
@@ -135,11 +132,20 @@ def test_token_budget_micro_batches_give_the_full_batch_update(model, mode):
                                 max_response_len=6, **kw)
         return {n: p.detach().clone() for n, p in model.named_parameters()}, metrics
 
-    full, m_full = update(micro_batch_size=6)
-    packed, m_packed = update(micro_batch_size=6, micro_batch_tokens=20)
+    whole, packed = update(micro_batch_size=6), update(micro_batch_size=6, micro_batch_tokens=20)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(start[n])
+    return start, whole, packed
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_the_full_batch_update(model, mode):
+    ro = _rollout(model.config.vocab_size)
+    algo = resolve_algorithm(AlgorithmConfig(loss_agg_mode=mode, entropy_coef=0.01))
+    adv = torch.randn(6, 1).expand(6, ro.response_ids.shape[1]).contiguous()
+    rewards = torch.arange(6.0)
+    start, (full, m_full), (packed, m_packed) = _whole_and_packed_updates(model, ro, adv, rewards, algo)
     moved = sum(float((full[n] - start[n]).abs().sum()) for n in start)
     assert moved > 0
     for n in start:
@@ -238,22 +244,7 @@ def test_vargrad_under_a_token_budget_keeps_groups_whole_and_gives_the_full_batc
         assert any(len(mb.rows) < 3 for mb in split), kw
 
     adv = torch.tensor([1.0, -0.5, 0.3, 0.8, -1.2, 0.1])[:, None].expand(6, 6).contiguous()
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def update(**kw):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(start[n])
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        m = policy_update(model, opt, ro, adv, torch.zeros(6), algo, grad_clip=0.0, temperature=1.0,
-                          max_response_len=6, **kw)
-        return {n: p.detach().clone() for n, p in model.named_parameters()}, m
-
-    full, m_full = update(micro_batch_size=6)
-    packed, m_packed = update(micro_batch_size=6, micro_batch_tokens=20)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(start[n])
+    start, (full, m_full), (packed, m_packed) = _whole_and_packed_updates(model, ro, adv, torch.zeros(6), algo)
     assert sum(float((full[n] - start[n]).abs().sum()) for n in start) > 0
     for n in start:
         assert torch.allclose(full[n], packed[n], atol=1e-6), n

@@ -103,17 +103,26 @@ def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.T
     Returns ``(prompt_hidden [G, P, H], response_hidden [B, R, H])``; row ``i``'s full hidden
     states are ``cat(prompt_hidden[group[i]], response_hidden[i])``.
     """
-    decoder = model.get_decoder()
+    prompt_out = _group_prefill(model, input_ids[:, :prompt_len], attention_mask[:, :prompt_len],
+                                position_ids[:, :prompt_len], group)
+    response_out = model.get_decoder()(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
+                                       position_ids=position_ids[:, prompt_len:],
+                                       past_key_values=prompt_out.past_key_values, use_cache=True)
+    return prompt_out.last_hidden_state, response_out.last_hidden_state
+
+
+def _group_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   group: torch.Tensor):
+    """The decoder over the first row of each group (runs of equal ``group``), its KV cache then
+    expanded to every row of the group: an index select, which autograd differentiates by summing
+    the rows' gradients back onto the single forward."""
     first = torch.ones_like(group, dtype=torch.bool)
     first[1:] = group[1:] != group[:-1]
     cache = _plain_cache(model.get_base_model() if hasattr(model, "get_base_model") else model)
-    prompt_out = decoder(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
-                         position_ids=position_ids[first, :prompt_len], past_key_values=cache, use_cache=True)
-    cache = prompt_out.past_key_values
-    cache.batch_select_indices(group.to(input_ids.device))  # [G, ...] -> [B, ...], differentiable
-    response_out = decoder(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-                           position_ids=position_ids[:, prompt_len:], past_key_values=cache, use_cache=True)
-    return prompt_out.last_hidden_state, response_out.last_hidden_state
+    out = model.get_decoder()(input_ids=input_ids[first], attention_mask=attention_mask[first],
+                              position_ids=position_ids[first], past_key_values=cache, use_cache=True)
+    out.past_key_values.batch_select_indices(group.to(input_ids.device))  # [G, ...] -> [B, ...]
+    return out
 
 
 @torch.no_grad()
@@ -131,12 +140,5 @@ def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     if group is None or prompt_ids.shape[1] < 2 or not bool(prompt_mask[:, -1].all()) \
             or not supports_shared_prefix(model):
         return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache = _plain_cache(base)
-    first = torch.ones_like(group, dtype=torch.bool)
-    first[1:] = group[1:] != group[:-1]
-    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
-    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                        past_key_values=cache, use_cache=True)
-    cache.batch_select_indices(group.to(prompt_ids.device))
-    return cache
+    mask = prompt_mask[:, :-1]
+    return _group_prefill(model, prompt_ids[:, :-1], mask, position_ids_from_mask(mask), group).past_key_values

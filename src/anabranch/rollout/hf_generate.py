@@ -66,11 +66,7 @@ class HFGenerateBackend:
                 # not under synced_gpus, where every rank must run the same forwards.
                 cache = None if kwargs.get("synced_gpus") or not self.share_prompt_prefix \
                     else shared_prompt_cache(self.model, ids, mask)
-                if cache is not None:
-                    kwargs["past_key_values"] = cache
-                else:
-                    kwargs.pop("past_key_values", None)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+                out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
                 pieces.append(out[:, ids.shape[1]:].cpu())
         finally:
             self.model.train(was_training)
