@@ -100,6 +100,50 @@ def test_dynamic_sampling_fills_the_batch_up_to_a_cap(monkeypatch, cap, expected
         assert r.response_mask[0].tolist() == [1, 1] and r.response_mask[2].tolist() == [1, 0]
 
 
+ACC = {0: [1, 1], 1: [1, 0], 2: [0, 0], 3: [0, 1]}      # right/wrong of each prompt's two samples
+SHAPING = {0: [0, -0.5], 1: [0, 0], 2: [0, -0.5], 3: [0, 0]}  # e.g. a length term
+
+
+def score_with_shaping(sources, prompts, completions, rows, group_index=None, extra_fields=None):
+    from anabranch.rewards.compose import Scored
+
+    acc, shaping, seen = [], [], {}
+    for row in rows:
+        k = seen.get(row["id"], 0)
+        seen[row["id"]] = k + 1
+        acc.append(float(ACC[row["id"]][k]))
+        shaping.append(float(SHAPING[row["id"]][k]))
+    return Scored([a + b for a, b in zip(acc, shaping)], {"math_verify": acc, "shaping": shaping}, {})
+
+
+@pytest.mark.parametrize("metric,with_verifier,expected_ids,rounds", [
+    ("accuracy", True, [1, 3], 2),   # DAPO: all-correct (0) and all-wrong (2) groups dropped, shaping or not
+    ("reward", True, [0, 1], 1),     # the total reward differs within group 0, so it stays
+    ("accuracy", False, [0, 1], 1),  # no reward says right/wrong: the total reward decides
+])
+def test_dynamic_sampling_judges_groups_on_accuracy(monkeypatch, metric, with_verifier, expected_ids, rounds):
+    from anabranch.rewards.compose import RewardSource
+    from anabranch.rewards.registry import REWARDS
+
+    monkeypatch.setattr(collect, "score_detailed", score_with_shaping)
+    cfg = load_config(None, ["rollout.n=2", "rollout.prompts_per_step=2", "algorithm.dynamic_sampling=true",
+                             f"algorithm.dynamic_sampling_metric={metric}"])
+    c = components()
+    if with_verifier:
+        c.rewards = [RewardSource("math_verify", 1.0, REWARDS.get("math_verify"), {})]
+    batch = collect.collect_batch(c, Sequential(), cfg)
+    assert [row["id"] for row in batch.rows[::2]] == expected_ids
+    assert batch.metrics["dynamic_sampling/rounds"] == rounds
+
+
+def test_dynamic_sampling_metric_is_checked():
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dynamic_sampling_metric"):
+        resolve_algorithm(load_config(None, ["algorithm.dynamic_sampling_metric=acc"]).algorithm)
+
+
 def test_dynamic_sampling_off_takes_one_round(monkeypatch):
     monkeypatch.setattr(collect, "score_detailed", fake_score)
     cfg = load_config(None, ["rollout.n=2", "rollout.prompts_per_step=2", "algorithm.overlong_buffer=2",
@@ -140,3 +184,64 @@ def test_kl_in_reward_reaches_the_estimator(tiny_model_dir):
     expected = reinforce_pp_advantage(None, None, mask, algo.cfg, token_rewards=token_rewards)
     assert torch.allclose(out.advantages, expected, atol=1e-4)
     assert out.metrics["kl/seq_kl"] == pytest.approx(((old - ref_lp) * mask).sum(-1).mean().item(), abs=1e-5)
+
+
+def test_overlong_filter_masks_the_loss_but_not_the_group_statistics(tiny_model_dir, write_jsonl, tmp_path,
+                                                                     monkeypatch):
+    """DAPO masks truncated samples out of the loss; their rewards still count in their group's mean
+    and std. So the advantage pass sees every sample's mask and the update the filtered one."""
+    from anabranch import train
+    from anabranch.trainer import loop
+
+    seen = {}
+    real_advantages, real_update = loop.compute_advantages, loop.policy_update
+
+    def spy_advantages(algo, model, rollout, rewards, **kw):
+        seen["adv_mask"], seen["truncated"] = rollout.response_mask.clone(), rollout.truncated.clone()
+        seen["rewards"], seen["groups"] = rewards.clone(), rollout.group_index.clone()
+        out = real_advantages(algo, model, rollout, rewards, **kw)
+        seen["advantages"] = out.advantages.clone()
+        return out
+
+    def spy_update(model, optimizer, rollout, advantages, *args, **kw):
+        seen.setdefault("loss_mask", rollout.response_mask.clone())
+        return real_update(model, optimizer, rollout, advantages, *args, **kw)
+
+    from anabranch.rollout.hf_generate import HFGenerateBackend
+
+    real_generate = HFGenerateBackend.generate
+
+    def half_end_early(self, prompts, n, **kw):
+        # The random tiny model never samples EOS: make every other sample end after one token.
+        out = real_generate(self, prompts, n, **kw)
+        out.response_mask[::2, 1:] = 0
+        out.truncated[::2] = False
+        return out
+
+    monkeypatch.setattr(HFGenerateBackend, "generate", half_end_early)
+    monkeypatch.setattr(loop, "compute_advantages", spy_advantages)
+    monkeypatch.setattr(loop, "policy_update", spy_update)
+    data = write_jsonl([{"prompt": f"Q{i}", "answer": "7"} for i in range(8)])
+    # 3 new tokens with a 2-token buffer: the soft punishment is 0 for one token and −1 for three, so
+    # every group has non-zero advantages.
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "task.name=file", f"task.path={data}",
+                             "task.eval_size=0", "rollout.n=4", "rollout.prompts_per_step=2",
+                             "rollout.max_new_tokens=3", "algorithm.name=dapo", "algorithm.dynamic_sampling=false",
+                             "algorithm.overlong_buffer=2", "algorithm.overlong_filter=true",
+                             "trainer.steps=1", f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+                             "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_final=false",
+                             "trainer.device=cpu", "trainer.seed=3"])
+    train(cfg)
+    truncated = seen["truncated"]
+    assert truncated.any() and (~truncated).any(), "the test needs both kinds of samples"
+    lengths = seen["adv_mask"].sum(-1)
+    assert bool((lengths[truncated] > 0).all())  # the advantage pass sees the truncated samples
+    assert seen["loss_mask"][truncated].sum() == 0  # the loss does not
+    assert torch.equal(seen["loss_mask"][~truncated], seen["adv_mask"][~truncated])
+    # Every kept sample's advantage is its reward normalized by its whole group, truncated samples included.
+    for g in seen["groups"].unique():
+        rows = seen["groups"] == g
+        r = seen["rewards"][rows]
+        expected = (r - r.mean()) / (r.std() + 1e-6)
+        got = seen["advantages"][rows].gather(1, (lengths[rows] - 1).clamp(min=0)[:, None]).squeeze(1)
+        assert torch.allclose(got, expected, atol=1e-5), (g, got, expected)

@@ -151,6 +151,17 @@ def test_bad_option_names_the_key(key, value):
         resolve_algorithm(cfg.algorithm)
 
 
+@pytest.mark.parametrize("override", ["algorithm.tis_cap=2", "algorithm.entropy_adv_alpha=0.4",
+                                      "algorithm.entropy_top_rho=0.2"])
+def test_per_token_advantage_rescalings_are_refused(override):
+    # FlowRL reads r̂ back from its advantages: a TIS weight or an entropy term would move its
+    # target β·r̂, so these are errors for it, and stay allowed for the losses linear in Â.
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}: .*loss='flowrl'"):
+        resolve_algorithm(load_config(None, ["algorithm.name=flowrl", override]).algorithm)
+    assert resolve_algorithm(load_config(None, ["algorithm.name=grpo", override]).algorithm).cfg.loss == "ppo_clip"
+
+
 def test_micro_batches_never_split_a_group():
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3])
     slices = micro_batches(10, 4, groups)

@@ -90,6 +90,22 @@ def test_clip_cov_detaches_high_covariance_tokens():
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 1 / 3, 2 / 3]]))
 
 
+def test_clip_cov_never_spends_its_budget_on_tokens_the_ppo_clip_cut_off():
+    # Cov 3, 1, 0: tokens 0 and 1 are in the band [0.5, 5]; token 0 has ratio e^0.5 > 1.28 with Â > 0,
+    # so the PPO clip already removed its gradient. The one detach (⌊0.34·3⌋ = 1) must go to token 1.
+    old = LP - torch.tensor([[0.5, 0.0, 0.0]])
+    c = ctx(cov_clip_ratio=0.34, cov_clip_low=0.5, cov_clip_high=5.0, clip_ratio_high=0.28)
+    for seed in range(20):  # the draw is random among the candidates
+        torch.manual_seed(seed)
+        logp = LP.clone().requires_grad_()
+        loss, m = clip_cov_loss(logp, old, ADV, torch.ones(1, 3), c)
+        # token 0 clipped: −3·1.28; token 1 detached (0); token 2 on-policy: −Â = 2
+        assert loss.item() == pytest.approx((-3 * 1.28 + 0.0 + 2.0) / 3)
+        assert m["cov/selected_frac"] == pytest.approx(1 / 3)
+        loss.backward()
+        assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 2 / 3]]))
+
+
 def test_kl_cov_penalizes_top_covariance_tokens():
     logp = LP.clone().requires_grad_()
     old = LP - torch.tensor([[0.1, 0.0, 0.0]])

@@ -184,6 +184,11 @@ class AlgorithmConfig:
     # rollout.prompts_per_step groups are kept, at most max_sample_batches generation rounds.
     dynamic_sampling: bool = False
     max_sample_batches: int = 10
+    # What "all equal" is judged on: "accuracy" (DAPO: keep a group only if 0 < #correct < n) reads
+    # the reward that says right/wrong, and falls back to the total reward where no reward does
+    # (label-free runs); "reward" uses the total reward (with shaping terms such as the overlong
+    # punishment, any difference keeps the group).
+    dynamic_sampling_metric: str = "accuracy"
     # DAPO soft overlong punishment: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty reward, linearly; 0 turns it off.
     overlong_buffer: int = 0

@@ -6,9 +6,11 @@ covariance collapse the entropy. Per token, over the response tokens of the (mic
 
     Cov_t = (log π(y_t) − mean log π) · (Â_t − mean Â)
 
-- Clip-Cov: pick at random ⌈r·N⌉ (at least 1) of the tokens with ω_low ≤ Cov_t ≤ ω_high and
+- Clip-Cov: pick at random ⌊r·N⌋ (at least 1) of the tokens with ω_low ≤ Cov_t ≤ ω_high and
   detach their gradient; the rest get the PPO clipped loss. (r, ω_low, ω_high) =
-  (``cov_clip_ratio``, ``cov_clip_low``, ``cov_clip_high``), paper defaults 2e-4, 1, 5.
+  (``cov_clip_ratio``, ``cov_clip_low``, ``cov_clip_high``), paper defaults 2e-4, 1, 5. As in the
+  authors' code, tokens the PPO clip has already cut off are not candidates: detaching one of
+  them would change nothing, and the draw would spend the budget of ⌊r·N⌋ on it.
 - KL-Cov: on the top ⌊k·N⌋ (at least 1) tokens by Cov_t add β·|log π_θ − log π_old|; the loss is
   the unclipped −ρ·Â elsewhere. (k, β) = (``cov_kl_ratio``, ``cov_kl_coef``), paper 2e-3, 1.
   With ``ppo_epochs=1`` and one mini-batch, π_old = π_θ and the penalty has no gradient.
@@ -45,7 +47,7 @@ def clip_cov_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     loss_mat, was_clipped, log_ratio = ppo_surrogate(log_prob, old_log_prob, advantages, cfg)
     cov = token_covariance(log_prob, advantages, response_mask)
     valid = response_mask.bool()
-    band = valid & (cov >= cfg.cov_clip_low) & (cov <= cfg.cov_clip_high)
+    band = valid & ~was_clipped & (cov >= cfg.cov_clip_low) & (cov <= cfg.cov_clip_high)
     candidates = band.flatten().nonzero().squeeze(-1)
     k = _n_select(cfg.cov_clip_ratio, int(valid.sum())) if len(candidates) else 0
     keep = torch.ones_like(loss_mat)

@@ -112,7 +112,7 @@ def importance_weight(seq_log_ratio: torch.Tensor, cfg) -> tuple[torch.Tensor, t
     return w, clipped
 
 
-@OBJECTIVES.register("flowrl", needs=flowrl_needs, modules=flowrl_modules)
+@OBJECTIVES.register("flowrl", needs=flowrl_needs, modules=flowrl_modules, advantage_is_reward=True)
 def flowrl_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     f = ctx.cfg.flowrl
     m = response_mask.to(log_prob.dtype)

@@ -73,6 +73,8 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     if cfg.kl_estimator not in ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
     check_ranges(cfg)
+    if OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
+        _check_reward_target(cfg)
     needs = set(_meta(OBJECTIVES, cfg.loss, "needs", cfg)) | set(_meta(ADVANTAGES, cfg.advantage, "needs", cfg))
     if cfg.kl_coef > 0:
         needs.add("ref_log_prob")
@@ -100,12 +102,30 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "gamma/lam", "must be in [0, 1]"),
         (cfg.vf_clip >= 0, "vf_clip", "must be >= 0 (0 turns value clipping off)"),
         (cfg.max_sample_batches >= 1, "max_sample_batches", "must be >= 1"),
+        (cfg.dynamic_sampling_metric in ("accuracy", "reward"), "dynamic_sampling_metric",
+         "must be 'accuracy' or 'reward'"),
         (cfg.overlong_buffer >= 0, "overlong_buffer", "must be >= 0"),
     ]
     for ok, key, why in checks:
         if not ok:
             value = getattr(cfg, key, None) if "/" not in key else (cfg.gamma, cfg.lam)
             raise ConfigError(f"algorithm.{key} {why} (got {value!r})")
+
+
+def _check_reward_target(cfg: AlgorithmConfig) -> None:
+    """An objective that reads the reward r̂ back from its advantages (FlowRL's target β·r̂ inside a
+    square) cannot take the per-token rescalings that are built for losses linear in the advantage:
+    a TIS weight or an entropy bonus would move its target instead of weighting its gradient, and
+    the forking-token mask would zero most of r̂."""
+    for on, key, what in ((cfg.tis_cap > 0, "tis_cap", "truncated importance weights"),
+                          (cfg.entropy_adv_alpha > 0, "entropy_adv_alpha", "the entropy-shaped advantage"),
+                          (cfg.entropy_top_rho < 1, "entropy_top_rho", "the high-entropy token mask")):
+        if on:
+            note = " (the sampler mismatch is still logged)" if key == "tis_cap" else ""
+            raise ConfigError(f"algorithm.{key}: {what} would rescale each token's advantage, which suits losses "
+                              f"linear in the advantage (PPO, GRPO, CISPO) but not loss={cfg.loss!r}: it reads the "
+                              f"reward r̂ back from the advantages and squares it in its target; leave "
+                              f"algorithm.{key} at its default{note}")
 
 
 def _meta(registry, name: str, key: str, cfg: AlgorithmConfig):

@@ -1,10 +1,14 @@
 """One step's scored batch: generate, score, DAPO's overlong shaping and dynamic sampling.
 
-Dynamic sampling (Yu et al. 2025, "DAPO"): groups whose rewards are all equal have zero
-group-relative advantage, so they are dropped and more prompts are sampled, round after round,
+Dynamic sampling (Yu et al. 2025, "DAPO"): groups whose samples are all right or all wrong carry
+no accuracy signal, so they are dropped and more prompts are sampled, round after round,
 until ``rollout.prompts_per_step`` groups are kept or ``algorithm.max_sample_batches`` rounds were
 generated; then the batch is cut to ``prompts_per_step`` groups (or keeps what it has, and if no
-group survived, the last round as is, so the step still runs and logs).
+group survived, the last round as is, so the step still runs and logs). What "all equal" is judged
+on follows ``algorithm.dynamic_sampling_metric``: the reward that says right/wrong (``accuracy``,
+the paper's 0 < #correct < n, so that a shaping term such as the overlong punishment cannot keep an
+all-correct group whose normalized advantages would then be ±1.5 for a length difference), or the
+total reward (``reward``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from anabranch.algorithms.overlong import overlong_penalty
+from anabranch.eval.accuracy import correctness_source
 from anabranch.rewards import score_detailed
 from anabranch.rewards.token_stats import trainer_fields
 from anabranch.rollout.base import Rollout
@@ -54,6 +59,15 @@ def generate_scored(c, idx: list[int], cfg) -> ScoredBatch:
     return ScoredBatch(rollout, rows, list(total), dict(per_source), t_gen, metrics=dict(scored.metrics))
 
 
+def filter_signal(batch: ScoredBatch, sources, metric: str) -> torch.Tensor:
+    """[B] what dynamic sampling compares within a group: the correctness reward's scores for
+    ``metric="accuracy"`` (the total reward where no source says right/wrong), else the total reward."""
+    src = correctness_source(sources) if metric == "accuracy" else None
+    if src is None or src.name not in batch.per_source:
+        return batch.rewards
+    return torch.tensor(batch.per_source[src.name], dtype=torch.float32)
+
+
 def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> list[int]:
     """Groups (in order) whose rewards are not all equal."""
     return [int(g) for g in group_index.unique()
@@ -72,7 +86,8 @@ def collect_batch(c, sampler, cfg, dist=None) -> ScoredBatch:
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg)
         t_gen += last.t_generate
-        groups = informative_groups(last.rewards, last.rollout.group_index)
+        groups = informative_groups(filter_signal(last, c.rewards, cfg.algorithm.dynamic_sampling_metric),
+                                    last.rollout.group_index)
         seen += int(last.rollout.group_index.unique().numel())
         kept.append(select_groups(last, groups))
         if sum(len(b.rollout.prompts) for b in kept) >= want:
@@ -105,7 +120,8 @@ def collect_dynamic_distributed(c, sampler, cfg, dist) -> ScoredBatch:
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg)
         t_gen += last.t_generate
-        groups = informative_groups(last.rewards, last.rollout.group_index)
+        groups = informative_groups(filter_signal(last, c.rewards, cfg.algorithm.dynamic_sampling_metric),
+                                    last.rollout.group_index)
         kept.append(select_groups(last, groups))
         counts = dist.all_reduce_sum(torch.tensor([len(groups), len(last.rollout.prompts)], dtype=torch.float64))
         n_global, seen = n_global + int(counts[0].item()), seen + int(counts[1].item())

@@ -92,12 +92,14 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
                                                          batch.rewards)
             t_gen = batch.t_generate
-            train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
-            adv = compute_advantages(c.algo, c.model, train_rollout, rewards,
+            # Advantages from every sample's real reward (a truncated one still counts in its group's
+            # mean and std); DAPO's overlong filter then masks truncated samples out of the loss only.
+            adv = compute_advantages(c.algo, c.model, rollout, rewards,
                                      micro_batch_size=cfg.trainer.micro_batch_size,
                                      temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                                      micro_batch_tokens=micro_tokens)
+            train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
