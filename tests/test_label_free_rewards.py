@@ -70,3 +70,38 @@ def test_token_stats_match_hand_computation():
     assert self_certainty_reward(None, ["a"], self_certainty=[0.3]) == [0.3]
     with pytest.raises(ValueError, match="only the trainer"):
         self_certainty_reward(None, ["a"])
+
+
+class _LogitsOnly(torch.nn.Module):
+    """A real model seen only through its logits (no separable LM head): the fallback path."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kw):
+        return self.model(**kw)
+
+
+def test_token_stats_from_hidden_states_equal_those_from_the_logits(tiny_model_dir, monkeypatch):
+    # The LM head projects only the response positions, a few rows at a time (here one row per chunk);
+    # the numbers are those of the model's full logits.
+    from anabranch.config import ModelConfig
+    from anabranch.models.loading import load_model
+    from anabranch.rewards import token_stats
+
+    model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=False)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 60, (5, 9))
+    att = torch.ones_like(ids)
+    att[1, :2] = 0  # left padding of a shorter prompt
+    resp = torch.ones(5, 4, dtype=torch.long)
+    resp[2, 3:] = 0
+    resp[3, 1:] = 0
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(token_stats, "STATS_CHUNK_BYTES", 4 * 4 * vocab)  # one row of 4 tokens per chunk
+    chunked = sequence_token_stats(model, ids, att, resp, micro_batch_size=3)
+    full = sequence_token_stats(_LogitsOnly(model), ids, att, resp, micro_batch_size=3)
+    for key in full:
+        assert chunked[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    assert len(set(full["token_entropy"])) == 5  # five different rows, not one repeated

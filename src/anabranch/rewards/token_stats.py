@@ -25,31 +25,52 @@ from anabranch.models.logprobs import position_ids_from_mask
 TOKEN_STAT_FIELDS = ("self_certainty", "token_entropy", "mean_log_prob")
 
 
+# Float logits of one chunk of response tokens at most this large: the whole micro-batch's logits
+# would be rows × R × V (16 × 512 × 151,936 × 4 B = 5 GB for Qwen2.5 with 512-token completions).
+STATS_CHUNK_BYTES = 256 * 2**20
+
+
+def _stats_of_logits(z: torch.Tensor, targets: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token statistics × mask, summed over the tokens of each row, for float logits ``z`` [b, R, V]."""
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    sc = -math.log(z.shape[-1]) - logp.mean(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    tok = logp.gather(-1, targets[..., None]).squeeze(-1)
+    return {"self_certainty": (sc * m).sum(-1), "token_entropy": (ent * m).sum(-1), "mean_log_prob": (tok * m).sum(-1)}
+
+
 @torch.no_grad()
 def sequence_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                          micro_batch_size: int = 8, chunk_rows: int = 4) -> dict[str, list[float]]:
+    """Where the LM head is a plain linear map (models/chunked_logprobs.py), the backbone runs on
+    ``micro_batch_size`` rows and only the response positions are projected to the vocabulary, as
+    many rows at a time as fit :data:`STATS_CHUNK_BYTES`; otherwise the model's own logits are taken,
+    ``chunk_rows`` rows at a time in float."""
+    from anabranch.models.chunked_logprobs import backbone_hidden, supports_chunked_head
+
     width = response_mask.shape[1]
     device = next(model.parameters()).device
-    out: dict[str, list[float]] = {k: [] for k in TOKEN_STAT_FIELDS}
+    head = model.get_output_embeddings() if supports_chunked_head(model) else None
+    if head is not None:
+        chunk_rows = max(1, STATS_CHUNK_BYTES // (4 * width * head.weight.shape[0]))
+    sums: dict[str, list[torch.Tensor]] = {k: [] for k in TOKEN_STAT_FIELDS}
     for s in range(0, input_ids.shape[0], micro_batch_size):
         ids, mask = input_ids[s:s + micro_batch_size].to(device), attention_mask[s:s + micro_batch_size].to(device)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                       logits_to_keep=width + 1, use_cache=False).logits[:, :-1, :]
+        pos = position_ids_from_mask(mask)
+        if head is not None:  # the states that predict the response tokens
+            states = backbone_hidden(model, ids, mask, pos)[:, -width - 1:-1]
+        else:
+            states = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=width + 1,
+                           use_cache=False).logits[:, :-1, :]
         targets = ids[:, -width:]
         rmask = response_mask[s:s + micro_batch_size].to(device).float()
-        for c in range(0, logits.shape[0], chunk_rows):
-            z = logits[c:c + chunk_rows].float()
-            m = rmask[c:c + chunk_rows]
-            lse = torch.logsumexp(z, dim=-1)
-            logp = z - lse[..., None]
-            vocab = z.shape[-1]
-            sc = -math.log(vocab) - logp.mean(-1)
-            ent = -(logp.exp() * logp).sum(-1)
-            tok = logp.gather(-1, targets[c:c + chunk_rows, :, None]).squeeze(-1)
-            denom = m.sum(-1).clamp(min=1.0)
-            for key, val in (("self_certainty", sc), ("token_entropy", ent), ("mean_log_prob", tok)):
-                out[key].extend(((val * m).sum(-1) / denom).tolist())
-    return out
+        for c in range(0, states.shape[0], chunk_rows):
+            x = states[c:c + chunk_rows]
+            z = (torch.nn.functional.linear(x, head.weight, head.bias) if head is not None else x).float()
+            for key, val in _stats_of_logits(z, targets[c:c + chunk_rows], rmask[c:c + chunk_rows]).items():
+                sums[key].append(val)
+    denom = response_mask.float().sum(-1).clamp(min=1.0).to(device)
+    return {k: (torch.cat(v) / denom).tolist() for k, v in sums.items()}
 
 
 def trainer_fields(sources, model, rollout, micro_batch_size: int) -> dict[str, list]:
