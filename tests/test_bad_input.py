@@ -106,3 +106,16 @@ def test_prompt_longer_than_max_prompt_tokens(tiny_model_dir, write_jsonl, tmp_p
     cfg = load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{"task.max_prompt_tokens": 50}))
     with pytest.raises(ConfigError, match=r"task\.max_prompt_tokens=50"):
         train(cfg)
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_the_key():
+    from anabranch.models.loading import _from_hub
+
+    def offline(path):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {path}.\n"
+                      "Check your internet connection ...")
+
+    with pytest.raises(ConfigError, match=r"model\.path='org/name' could not be loaded from the Hugging Face "
+                                          r"Hub \(We couldn't connect.*\); without network access give a local"):
+        _from_hub(offline, "org/name", "model.path")
+    assert _from_hub(lambda p: "loaded " + p, "org/name", "model.path") == "loaded org/name"

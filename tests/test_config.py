@@ -68,10 +68,43 @@ def test_wrong_type_names_the_key(item, key):
     ("trainer.keep_last=-1", "trainer.keep_last"),
     ("trainer.max_nonfinite_in_a_row=0", "trainer.max_nonfinite_in_a_row"),
     ("trainer.save_every=-2", "trainer.save_every"),
+    ("rollout.top_k=-5", "rollout.top_k"),
+    ("rollout.min_new_tokens=100000", "rollout.min_new_tokens"),
+    ("rollout.generation_batch_size=-1", "rollout.generation_batch_size"),
+    ("trainer.weight_decay=-1", "trainer.weight_decay"),
+    ("trainer.adam_beta2=1", "trainer.adam_beta1"),
+    ("trainer.warmup_steps=-2", "trainer.warmup_steps"),
+    ("trainer.lr_schedule=bogus", "trainer.lr_schedule"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip"),
+    ("trainer.eval_every=-1", "trainer.eval_every"),
+    ("trainer.device=tpu", "trainer.device"),
+    ("algorithm.overlong_buffer=100000", "algorithm.overlong_buffer"),
 ])
 def test_bad_values_are_rejected(item, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [item])
+
+
+@pytest.mark.parametrize("item,key", [
+    ("algorithm.clip_ratio_low=-0.5", "algorithm.clip_ratio_low"),
+    ("algorithm.clip_ratio_high=-0.1", "algorithm.clip_ratio_high"),
+    ("algorithm.flowrl.beta=-1", "algorithm.flowrl.beta"),
+])
+def test_bad_algorithm_values_are_rejected_before_the_model_loads(item, key):
+    from anabranch.algorithms import resolve_algorithm
+
+    name = "flowrl" if "flowrl" in item else "grpo"
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve_algorithm(load_config(None, [f"algorithm.name={name}", item]).algorithm)
+
+
+def test_valid_devices_and_dapo_buffer_pass():
+    for device in ("auto", "cpu", "cuda", "cuda:1", "mps"):
+        assert load_config(None, [f"trainer.device={device}"]).trainer.device == device
+    cfg = load_config(None, ["algorithm.name=dapo", "rollout.max_new_tokens=32"])
+    assert cfg.algorithm.overlong_buffer == 8
+    with pytest.raises(ConfigError, match=r"overlong_buffer.*max_new_tokens=8"):
+        load_config(None, ["algorithm.name=dapo", "rollout.max_new_tokens=8"])  # the recipe's buffer is 8
 
 
 def test_override_without_equals_sign():

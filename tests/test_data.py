@@ -22,6 +22,18 @@ def test_jsonl_rows_and_held_out_split(write_jsonl):
     assert {r["question"] for r in train}.isdisjoint({r["question"] for r in held})
 
 
+def test_a_single_file_has_no_other_split(write_jsonl, caplog):
+    # A split name on one file would read the training rows again as the "held-out" set.
+    path = write_jsonl(ROWS)
+    for key in ("eval_split", "split"):
+        with pytest.raises(DataError, match=f"single file, which has no split 'test'"):
+            load_task(file_cfg(path, **{key: "test"}))
+    # Held-out rows are at most half the file, and saying so is not silent.
+    train, held = load_task(TaskConfig(name="file", path=path, prompt_column="q", answer_column="a", eval_size=8))
+    assert len(held) == 5 and len(train) == 5
+    assert "only 5 are held out" in caplog.text
+
+
 def test_parquet_and_csv(tmp_path):
     import pandas as pd
 

@@ -96,3 +96,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir, write_j
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-7)
     assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_unknown_target_modules_name_the_key_and_the_layers(tiny_model_dir, write_jsonl):
+    import pytest
+
+    from anabranch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules.*\['nonexistent'\].*'q_proj'"):
+        lora_components(tiny_model_dir, write_jsonl, **{"model.lora.target_modules": "[q_proj,nonexistent]"})
+    c = lora_components(tiny_model_dir, write_jsonl, **{"model.lora.target_modules": "[q_proj,v_proj]"})
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, p in c.model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "v_proj"}

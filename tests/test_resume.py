@@ -109,6 +109,27 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny_model_dir, write_jsonl
     data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
     result = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 2, "trainer.resume": "auto"}))
     assert len(result.history) == 2
+    # Again in the same folder, which holds a log but no checkpoint (a run stopped before its first
+    # save): it starts from step 0 and its log is the new run's alone, each step once.
+    again = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 3, "trainer.resume": "auto"}))
+    assert len(again.history) == 3
+    assert [r["step"] for r in metric_rows(again.run_dir) if "reward/mean" in r] == [1, 2, 3]
+
+
+def test_a_named_run_directory_holding_a_run_is_refused_without_resume(tiny_model_dir, write_jsonl, tmp_path,
+                                                                      monkeypatch):
+    data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
+    first = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 1}))
+    log = (Path(first.run_dir) / "metrics.jsonl").read_text()
+    import anabranch.trainer.components as components
+
+    def no_model_load(*args, **kwargs):
+        raise AssertionError("the check must come before the model loads")
+
+    monkeypatch.setattr(components, "load_model", no_model_load)
+    with pytest.raises(ConfigError, match=r"trainer.run_name='tiny'.*already holds a run.*trainer.resume=auto"):
+        train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 1}))
+    assert (Path(first.run_dir) / "metrics.jsonl").read_text() == log  # untouched
 
 
 def test_resume_config_errors(tmp_path):

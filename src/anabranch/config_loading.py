@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -231,6 +232,28 @@ def validate(cfg: Config) -> None:
         (cfg.trainer.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 keeps every checkpoint)"),
         (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),
         (cfg.trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no periodic checkpoints)"),
+        (cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 turns top-k off)"),
+        (0 <= cfg.rollout.min_new_tokens <= cfg.rollout.max_new_tokens, "rollout.min_new_tokens",
+         f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"),
+        (cfg.rollout.generation_batch_size >= 0, "rollout.generation_batch_size",
+         "must be >= 0 (0: all of a step's sequences at once)"),
+        (cfg.trainer.weight_decay >= 0, "trainer.weight_decay", "must be >= 0"),
+        (0 <= cfg.trainer.adam_beta1 < 1 and 0 <= cfg.trainer.adam_beta2 < 1, "trainer.adam_beta1",
+         "and trainer.adam_beta2 must be in [0, 1)"),
+        (cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0"),
+        (cfg.trainer.lr_schedule in ("constant", "cosine", "linear"), "trainer.lr_schedule",
+         "must be one of constant, cosine, linear"),
+        (cfg.trainer.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 turns clipping off)"),
+        (cfg.trainer.eval_every >= 0, "trainer.eval_every", "must be >= 0 (0: no evaluation during training)"),
+        (cfg.trainer.eval_max_new_tokens >= 0, "trainer.eval_max_new_tokens",
+         "must be >= 0 (0: rollout.max_new_tokens)"),
+        (cfg.trainer.num_threads >= 0, "trainer.num_threads", "must be >= 0 (0: torch's default)"),
+        (re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", cfg.trainer.device) is not None, "trainer.device",
+         "must be auto, cpu, cuda, cuda:N, mps or xpu"),
+        (cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
+         f"must be less than rollout.max_new_tokens={cfg.rollout.max_new_tokens}: DAPO's soft punishment "
+         "starts overlong_buffer tokens before the limit, so a buffer as long as the limit punishes every "
+         "response (set about a quarter of max_new_tokens, or 0 to turn it off)"),
         (cfg.trainer.resume != "auto" or bool(cfg.trainer.run_name), "trainer.resume",
          "=auto needs a fixed trainer.run_name (the default name has a timestamp, so a new run "
          "would never find the old checkpoints); set trainer.run_name=NAME"),

@@ -63,6 +63,8 @@ def flowrl_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
         raise ConfigError(f"algorithm.flowrl.is_eps must be in (0, 1) (got {f.is_eps})")
     if f.is_mode == "clamp_max" and f.is_max <= 0:
         raise ConfigError(f"algorithm.flowrl.is_max must be positive (got {f.is_max})")
+    if f.beta <= 0:  # β·r̂ is the target's reward term: β ≤ 0 would favour low reward or ignore it
+        raise ConfigError(f"algorithm.flowrl.beta must be positive (got {f.beta})")
     if f.log_z_lr_multiplier < 0:
         raise ConfigError(f"algorithm.flowrl.log_z_lr_multiplier must be >= 0 (got {f.log_z_lr_multiplier})")
     needs = []

@@ -93,6 +93,8 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
 def check_ranges(cfg: AlgorithmConfig) -> None:
     checks = [
         (cfg.kl_in in ("loss", "reward"), "kl_in", "must be 'loss' or 'reward'"),
+        (0 <= cfg.clip_ratio_low <= 1, "clip_ratio_low", "must be in [0, 1] (the ratio's floor is 1 − clip_ratio_low)"),
+        (cfg.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0"),
         (cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "must be positive (or null for a fixed kl_coef)"),
         (cfg.kl_horizon > 0, "kl_horizon", "must be positive"),
         (cfg.clip_ratio_c == 0 or cfg.clip_ratio_c > 1, "clip_ratio_c", "must be 0 (off) or > 1"),

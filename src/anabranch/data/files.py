@@ -30,6 +30,10 @@ def load_rows(path: str, split: str = "train", skip_bad: bool = False) -> list[d
         raise DataError(f"dataset file not found: {p}")
     if p.is_dir():
         return _load_saved_dataset(p, split)
+    if split != "train":  # a single file is one split: another name would silently read the same rows
+        raise DataError(f"dataset file {p} is a single file, which has no split {split!r}: leave task.split and "
+                        "task.eval_split unset (the last task.eval_size rows are then held out), or give a saved "
+                        "dataset folder or hf:ID with that split")
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         return _load_jsonl(p, skip_bad)

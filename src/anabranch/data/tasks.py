@@ -6,9 +6,13 @@ with different seeds, and held-out questions that also occur in training are rem
 
 from __future__ import annotations
 
+import logging
+
 from anabranch.config import ConfigError, TaskConfig
 from anabranch.data.files import DataError, check_columns, load_rows
 from anabranch.registry import Registry
+
+log = logging.getLogger(__name__)
 
 TASKS: Registry = Registry("task")
 
@@ -85,6 +89,9 @@ def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
         return rows[: cfg.train_size], held[: cfg.eval_size]
     # No held-out split given: keep the last eval_size rows out of training.
     n_eval = min(cfg.eval_size, len(rows) // 2)
+    if n_eval < cfg.eval_size:
+        log.warning("task.eval_size=%d: %s has %d rows, so only %d are held out (at most half the rows)",
+                    cfg.eval_size, cfg.path, len(rows), n_eval)
     train, held = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
     if not train:
         raise DataError(f"dataset {cfg.path} has too few rows ({len(rows)}) to train on")

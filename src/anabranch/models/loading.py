@@ -101,11 +101,26 @@ def save_hf(model, tokenizer, path: str | Path, state_dict: dict | None = None) 
         tokenizer.save_pretrained(str(path))
 
 
+def _from_hub(load, path: str, key: str):
+    """``load(path)``; a Hub id that cannot be fetched (offline, a typo, a gated repo) becomes one line
+    naming the key, instead of the hub client's traceback."""
+    if path.startswith("packaged:") or Path(path).exists():
+        return load(path)
+    try:
+        return load(path)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}={path!r} could not be loaded from the Hugging Face Hub ({first}); without "
+                          "network access give a local folder (written by save_pretrained) or "
+                          "packaged:smollm2-135m-instruct") from None
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     path = resolve_model_path(cfg.tokenizer or cfg.path)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    tok = _from_hub(lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.trust_remote_code), path,
+                    "model.tokenizer" if cfg.tokenizer else "model.path")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # Prompts are left-padded so all responses start at the same column.
@@ -119,9 +134,8 @@ def load_model(cfg: ModelConfig, device: torch.device, trainable: bool = True):
     path = resolve_model_path(cfg.path)
     if not path.startswith("packaged:") and not Path(path).exists() and "/" not in path:
         raise ConfigError(f"model.path {cfg.path!r} is neither a local folder nor a Hub id (org/name)")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-    )
+    model = _from_hub(lambda p: AutoModelForCausalLM.from_pretrained(
+        p, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code), path, "model.path")
     model.to(device)
     if trainable:
         model.train()

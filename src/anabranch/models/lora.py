@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from anabranch.config import LoraConfig, ModelConfig
+from anabranch.config import ConfigError, LoraConfig, ModelConfig
 
 
 def is_peft(model) -> bool:
@@ -29,6 +29,15 @@ def apply_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = False):
     targets = list(cfg.target_modules) or "all-linear"
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=targets, task_type="CAUSAL_LM")
+    if isinstance(targets, list):
+        # peft's own error is a traceback that lists nothing: name the key and what the model has.
+        linear = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                         if isinstance(mod, torch.nn.Linear)})
+        missing = [t for t in targets if not any(name == t or name.endswith("." + t)
+                                                 for name, _ in model.named_modules())]
+        if missing:
+            raise ConfigError(f"model.lora.target_modules: no module of the model is named {missing}; its linear "
+                              f"layers are {linear} (or leave the list empty for all linear layers)")
     model = get_peft_model(model, peft_cfg)
     if gradient_checkpointing:
         # Frozen embeddings give checkpointed blocks inputs without grad; this restores the path.

@@ -164,9 +164,7 @@ def lr_lambda(cfg: Config):
             return warm * max(0.0, 1 - step / t.steps)
         return warm
 
-    if t.lr_schedule not in ("constant", "cosine", "linear"):
-        raise ConfigError(f"trainer.lr_schedule {t.lr_schedule!r} is not one of constant, cosine, linear")
-    return fn
+    return fn  # trainer.lr_schedule is checked with the config (config_loading.validate)
 
 
 def quiet_libraries() -> None:

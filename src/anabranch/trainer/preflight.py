@@ -27,12 +27,29 @@ def check_model_path(value: str | None, key: str) -> None:
                           "(org/name), or packaged:smollm2-135m-instruct")
 
 
+def check_run_dir_free(cfg: Config) -> None:
+    """A named run directory that already holds a run is continued (``trainer.resume``) or refused:
+    a second run there would append to the first one's metrics, samples and TensorBoard events and
+    leave its later checkpoints beside the new ones, where ``trainer.resume=auto`` would find them."""
+    if cfg.trainer.resume or not cfg.trainer.run_name:  # unnamed runs get a fresh timestamped folder
+        return
+    path = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    held = [name for name in ("metrics.jsonl", "checkpoints", "final")
+            if (path / name).is_file() and (path / name).stat().st_size > 0
+            or (path / name).is_dir() and any((path / name).iterdir())]
+    if held:
+        raise ConfigError(f"trainer.run_name={cfg.trainer.run_name!r}: {path} already holds a run "
+                          f"({', '.join(held)}); continue it with trainer.resume=auto, or choose another "
+                          "trainer.run_name (or delete that folder)")
+
+
 def check_paths(cfg: Config) -> None:
     check_model_path(cfg.model.path, "model.path")
     check_model_path(cfg.model.tokenizer, "model.tokenizer")
     from anabranch.trainer.resume import check_resume_path
 
     check_resume_path(cfg)
+    check_run_dir_free(cfg)
 
 
 def model_context(model_path: str) -> int | None:

@@ -54,7 +54,7 @@ def check_resume_path(cfg: Config) -> None:
     resume = cfg.trainer.resume
     if resume and resume != "auto" and not Path(resume).expanduser().exists():
         raise ConfigError(f"trainer.resume={resume!r}: no such folder; give a checkpoint folder "
-                          "(runs/NAME/checkpoints/step-N), a run directory, or auto")
+                          "(runs/NAME/checkpoints/step-000120), a run directory, or auto")
 
 
 def resume_command(cfg: Config, run_path: Path) -> str:
@@ -156,6 +156,11 @@ class Checkpointer:
             if self.cfg.trainer.resume:
                 self.progress.write(f"trainer.resume={self.cfg.trainer.resume}: no complete checkpoint "
                                     f"in {self.run.path / 'checkpoints'}, starting from step 0")
+                # What a run that stopped before its first checkpoint logged is logged again from step 0.
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    cut_log(self.run.path / name, -1)
+                if hasattr(self.run, "resume_at"):
+                    self.run.resume_at(-1)
             return 0
         c, st = self.c, load_state(path)
         try:
