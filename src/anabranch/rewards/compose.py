@@ -1,8 +1,9 @@
 """Weighted sum of several reward functions, each reported as its own metric.
 
 Each source is called through :func:`anabranch.rewards.guard.guarded_call` (deadline, isolation,
-failure counting). A source whose registry meta says ``in_process=True`` (it needs the live policy
-or a loaded model) runs in a worker thread instead of a forked process.
+failure counting, console warnings from the source's own :class:`FailureLog`). A source whose
+registry meta says ``in_process=True`` (it needs the live policy or a loaded model) runs in a
+worker thread instead of a forked process.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from anabranch.config import ConfigError, RewardConfig
-from anabranch.rewards.guard import guarded_call
+from anabranch.rewards.guard import MISSING_FIELDS, FailureLog, guarded_call
 from anabranch.rewards.registry import REWARDS
 
 
@@ -29,10 +30,13 @@ class RewardSource:
     params: dict
     meta: dict = field(default_factory=dict)
     guard: "GuardSettings" = None  # type: ignore[assignment]
+    failures: FailureLog = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self):
         if self.guard is None:
             self.guard = GuardSettings()
+        if self.failures is None:
+            self.failures = FailureLog(self.name)
 
 
 @dataclass
@@ -89,9 +93,11 @@ def score_detailed(sources: list[RewardSource], prompts: list[str], completions:
             if settings.strict:
                 raise RewardError(f"reward {src.name!r} needs fields {missing} that this caller does not provide")
             res_values, res_metrics, failed = [0.0] * len(completions), {}, True
+            src.failures.failed(MISSING_FIELDS, f"needs row fields {missing} that this caller does not provide")
         else:
             res = guarded_call(src.name, src.fn, (prompts, completions), kwargs, len(completions),
-                               timeout=settings.timeout_s, isolation=isolation, strict=settings.strict)
+                               timeout=settings.timeout_s, isolation=isolation, strict=settings.strict,
+                               log=src.failures)
             res_values, res_metrics, failed = res.values, res.metrics, res.failed
         per_source[src.name] = res_values
         metrics[f"reward/{src.name}/failures"] = metrics.get(f"reward/{src.name}/failures", 0.0) + float(failed)

@@ -10,6 +10,11 @@ A call runs with a deadline (``reward.timeout_s``):
 
 A call that raises, hangs past the deadline or returns the wrong number of values gives 0.0 for
 every completion and counts one failure; with ``strict=True`` it raises :class:`RewardError`.
+
+Failures are also said on the console (``anabranch: warning: reward '<name>' failed (<kind>):
+<exception>``, the channel of the trainer's other warnings) by a :class:`FailureLog` per reward
+source: the first failure, a failure that differs from those already shown (a few per source),
+and then one reminder every :data:`WARN_EVERY` failures, each with the count so far.
 """
 
 from __future__ import annotations
@@ -18,9 +23,22 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
+
+# Kinds of failure, as the warnings name them.
+RAISED = "raised"
+TIMED_OUT = "timed out"
+BAD_OUTPUT = "bad return value"
+WORKER_DIED = "worker died"
+NOT_RUN = "could not run"
+MISSING_FIELDS = "missing fields"
+
+WARN_EVERY = 100  # a failure already shown is shown again every this many failures of its source
+MAX_DISTINCT = 5  # distinct failures (kind + message) of one source shown as they first appear
+_MAX_MESSAGE = 500
 
 
 class RewardError(RuntimeError):
@@ -41,24 +59,142 @@ class GuardedResult:
     metrics: dict[str, float]
     failed: bool = False
     error: str = ""
+    kind: str = ""
+
+
+def warn(text: str) -> None:
+    """``anabranch: warning: <text>`` where the trainer's other warnings go (``tqdm.write``: stdout,
+    above the progress bar)."""
+    line = f"anabranch: warning: {text}"
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        print(line, file=sys.stderr, flush=True)
+    else:
+        tqdm.write(line)
+
+
+class FailureLog:
+    """One reward source's calls and failures, and when to warn about them on the console.
+
+    Warns on the first failure, on a failure whose kind or message has not been shown yet (up to
+    ``max_distinct`` of them), and otherwise once every ``every`` failures; each warning names the
+    source, the kind of failure and the exception, with the failures and calls so far.
+    """
+
+    def __init__(self, name: str, every: int | None = None, max_distinct: int | None = None, write=None):
+        self.name = name
+        self.every = max(1, int(every if every is not None else WARN_EVERY))
+        self.max_distinct = max_distinct if max_distinct is not None else MAX_DISTINCT
+        self.write = write or warn
+        self.calls = 0
+        self.failures = 0
+        self.shown: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def __getstate__(self):  # copyable and picklable with its source: the lock is not
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def failed(self, kind: str, error: str) -> str | None:
+        """Count a failure; return (and write) the warning if this one is to be shown."""
+        with self._lock:
+            self.calls += 1
+            self.failures += 1
+            first = self.failures == 1
+            new = (kind, error) not in self.shown and len(self.shown) < self.max_distinct
+            if not (first or new or self.failures % self.every == 0):
+                return None
+            self.shown.add((kind, error))
+            text = (f"reward {self.name!r} failed ({kind}): {error}; its values are 0.0 for this batch "
+                    f"({self.failures} failure{'s' if self.failures != 1 else ''} in {self.calls} "
+                    f"call{'s' if self.calls != 1 else ''} so far")
+            if first:
+                text += (f"; further failures are shown when they differ and at every {self.every}th, "
+                         f"all are counted in reward/{self.name}/failures")
+            text += ")"
+        self.write(text)
+        return text
+
+
+_DEFAULT_LOGS: dict[str, FailureLog] = {}
+
+
+def failure_log(name: str) -> FailureLog:
+    """The process-wide log for callers of :func:`guarded_call` that do not keep their own."""
+    log = _DEFAULT_LOGS.get(name)
+    if log is None:
+        log = _DEFAULT_LOGS[name] = FailureLog(name)
+    return log
+
+
+def _describe(exc: BaseException, where: bool = False) -> str:
+    """``Type: message`` (the traceback's last line, on one line), with where it was raised."""
+    message = " ".join(str(exc).split())
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + "..."
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if where and exc.__traceback__ is not None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            last = frames[-1]
+            text += f" (at {os.path.basename(last.filename)}:{last.lineno}, in {last.name})"
+    return text
+
+
+class _Failed(Exception):
+    """A reward call failed; ``kind`` is one of the kinds above, ``detail`` says how."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+class _BadOutput(ValueError):
+    pass
 
 
 def _normalize(raw, n: int) -> tuple[list[float], dict]:
     metrics = {}
     if isinstance(raw, RewardOutput):
         raw, metrics = raw.values, dict(raw.metrics)
-    values = [float(v) for v in raw]
+    try:
+        values = [float(v) for v in raw]
+        metrics = {k: float(v) for k, v in metrics.items()}
+    except (TypeError, ValueError) as exc:
+        raise _BadOutput(f"the returned values are not a list of numbers ({_describe(exc)})") from None
     if len(values) != n:
-        raise ValueError(f"returned {len(values)} values for {n} completions")
-    return values, {k: float(v) for k, v in metrics.items()}
+        raise _BadOutput(f"returned {len(values)} values for {n} completions")
+    return values, metrics
+
+
+def _call(fn, args, kwargs, n):
+    """``("ok", (values, metrics))`` or ``(kind, detail, exception)``; lets BaseException through."""
+    try:
+        raw = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        return RAISED, _describe(exc, where=True), exc
+    try:
+        return "ok", _normalize(raw, n)
+    except _BadOutput as exc:
+        return BAD_OUTPUT, str(exc), exc
 
 
 def _child(conn, fn, args, kwargs, n):  # runs in the forked process
     os.setpgid(0, 0)
     try:
-        conn.send(("ok", _normalize(fn(*args, **kwargs), n)))
+        conn.send(_call(fn, args, kwargs, n)[:2])
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send((RAISED, _describe(exc, where=True)))
     finally:
         conn.close()
 
@@ -79,17 +215,18 @@ def _in_process(fn, args, kwargs, n, timeout):
     send.close()
     try:
         if not recv.poll(timeout):
-            raise TimeoutError(f"timed out after {timeout:g} s")
+            raise _Failed(TIMED_OUT, f"no result after {timeout:g} s (the worker process was killed)")
         try:
             status, payload = recv.recv()
         except (EOFError, pickle.UnpicklingError) as exc:
-            raise RuntimeError(f"worker process died ({exc.__class__.__name__})") from None
+            raise _Failed(WORKER_DIED, f"the worker process ended without a result ({exc.__class__.__name__})") \
+                from None
     finally:
         _kill_group(proc.pid)  # the group: anything the function started dies with it
         proc.join(5)
         recv.close()
     if status != "ok":
-        raise RuntimeError(payload)
+        raise _Failed(status, payload)
     return payload
 
 
@@ -98,36 +235,50 @@ def _in_thread(fn, args, kwargs, n, timeout):
 
     def run():
         try:
-            box["out"] = _normalize(fn(*args, **kwargs), n)
+            box["out"] = _call(fn, args, kwargs, n)
         except BaseException as exc:  # noqa: BLE001
-            box["err"] = f"{type(exc).__name__}: {exc}"
-            box["tb"] = traceback.format_exc()
+            box["out"] = (RAISED, _describe(exc, where=True), exc)
 
     worker = threading.Thread(target=run, daemon=True, name="reward-worker")
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise TimeoutError(f"timed out after {timeout:g} s (the worker thread is abandoned)")
-    if "err" in box:
-        raise RuntimeError(box["err"])
-    return box["out"]
+        raise _Failed(TIMED_OUT, f"no result after {timeout:g} s (the worker thread is abandoned)")
+    if box["out"][0] != "ok":
+        kind, detail, exc = box["out"]
+        raise _Failed(kind, detail) from exc
+    return box["out"][1]
+
+
+def _inline(fn, args, kwargs, n, timeout):
+    out = _call(fn, args, kwargs, n)
+    if out[0] != "ok":
+        kind, detail, exc = out
+        raise _Failed(kind, detail) from exc
+    return out[1]
 
 
 def guarded_call(name: str, fn, args: tuple, kwargs: dict, n: int, *, timeout: float,
-                 isolation: str = "process", strict: bool = False) -> GuardedResult:
-    """Call ``fn(*args, **kwargs)`` (a reward for ``n`` completions) under a deadline."""
+                 isolation: str = "process", strict: bool = False,
+                 log: FailureLog | None = None) -> GuardedResult:
+    """Call ``fn(*args, **kwargs)`` (a reward for ``n`` completions) under a deadline.
+
+    A failure is counted in ``log`` (the source's :class:`FailureLog`; a process-wide one per
+    ``name`` if not given), which warns on the console as it says.
+    """
     if isolation == "process" and "fork" not in mp.get_all_start_methods():
         isolation = "thread"
     if isolation not in ("process", "thread", "none"):
         raise ValueError(f"reward isolation must be process, thread or none (got {isolation!r})")
+    log = log if log is not None else failure_log(name)
+    runner = {"process": _in_process, "thread": _in_thread, "none": _inline}[isolation]
     try:
-        if isolation == "none":
-            values, metrics = _normalize(fn(*args, **kwargs), n)
-        else:
-            runner = _in_process if isolation == "process" else _in_thread
-            values, metrics = runner(fn, args, kwargs, n, timeout)
+        values, metrics = runner(fn, args, kwargs, n, timeout)
     except Exception as exc:  # noqa: BLE001 - a reward must never take the trainer down
+        kind, detail = (exc.kind, exc.detail) if isinstance(exc, _Failed) else (NOT_RUN, _describe(exc))
         if strict:
-            raise RewardError(f"reward {name!r} failed (reward.strict=true): {exc}") from exc
-        return GuardedResult([0.0] * n, {}, failed=True, error=str(exc))
+            raise RewardError(f"reward {name!r} failed (reward.strict=true; {kind}): {detail}") from exc
+        log.failed(kind, detail)
+        return GuardedResult([0.0] * n, {}, failed=True, error=detail, kind=kind)
+    log.succeeded()
     return GuardedResult(values, metrics)
