@@ -72,9 +72,11 @@ def test_compare_trains_each_recipe_and_writes_report(tiny_model_dir, write_json
         assert all(isinstance(r["groups/distinct_answers"], float) for r in steps)
         summary = json.loads((run / "summary.json").read_text())
         assert summary["model_collapse"]["metric"] == "eval/accuracy"  # before, step 1, after: 3 evaluations
-        assert json.loads((run / "eval_passk.json").read_text())["models"][0]["n"] == 2
+        saved = json.loads((run / "eval_passk.json").read_text())  # the report shows what pass@k rests on
+        assert (saved["n"], saved["num_problems"], saved["models"][0]["n"]) == (2, 4, 2)
     page = report.read_text()
     assert page.count("data:image/png;base64,") == 6 and "test-drgrpo" in page
+    assert page.count("<td>n=2, 4 problems</td>") == 2
 
 
 def test_cli_report_and_bad_algorithm(tmp_path):

@@ -113,8 +113,23 @@ def test_reward_entropy_fit_recovers_known_a_b():
     assert fit.r2 == pytest.approx(1.0) and fit.ceiling == pytest.approx(0.9)
     noisy = fit_reward_entropy(h, r + rng.normal(0, 0.01, h.size))
     assert noisy.a == pytest.approx(0.3, abs=0.02) and noisy.b == pytest.approx(1.2, abs=0.05)
-    with pytest.raises(ValueError):
-        fit_reward_entropy([0.5, 0.5], [0.1, 0.2])
+    assert fit_reward_entropy([0.5, 0.5, 0.5], [0.1, 0.2, 0.3]) is None  # no entropy spread
+
+
+def test_reward_entropy_fit_r2_by_hand():
+    # x = exp(H) = 1, 2, 3 and R = 1, 0, 0.5: least squares R = 1.0 − 0.25·x, predictions
+    # 0.75, 0.5, 0.25, SS_res = 0.375, SS_tot = 0.5, so R² = 0.25.
+    fit = fit_reward_entropy(np.log([1.0, 2.0, 3.0]), [1.0, 0.0, 0.5])
+    assert (fit.a, fit.b, fit.r2, fit.n) == (pytest.approx(0.25), pytest.approx(1.0), pytest.approx(0.25), 3)
+
+
+def test_reward_entropy_fit_refuses_degenerate_data():
+    # Two points: any two-parameter curve passes through them, R² = 1 would mean nothing.
+    assert fit_reward_entropy([0.2, 0.9], [0.1, 0.7]) is None
+    # A constant reward: SS_tot = 0 and R² is undefined (the old code reported 1.0).
+    assert fit_reward_entropy([0.2, 0.5, 0.9, 1.3], [0.4] * 4) is None
+    # NaN rows are dropped before counting: two finite points are left.
+    assert fit_reward_entropy([0.2, float("nan"), 0.9], [0.1, 0.5, 0.7]) is None
 
 
 def test_model_collapse_step():

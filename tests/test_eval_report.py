@@ -63,3 +63,42 @@ def test_report_without_eval_files_explains_what_is_missing(tmp_path):
 def test_report_rejects_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         write_report([tmp_path], tmp_path / "r.html")
+
+
+def row_of(page, label):
+    return re.search(rf"<tr><td>{label}</td>.*?</tr>", page).group(0)
+
+
+def test_report_shows_no_fit_instead_of_a_perfect_one_for_degenerate_runs(tmp_path, monkeypatch):
+    from anabranch.eval import plots
+
+    drawn = {}
+    real = plots.plot_entropy_law
+    monkeypatch.setattr(plots, "plot_entropy_law", lambda points, path: drawn.update(points) or real(points, path))
+    # a = 0: the reward is 0.5 at every step (zero variance); the old fit reported R² = 1.000.
+    flat = fake_run(tmp_path, "flat", 0.0, 0.5, with_eval=False)
+    short = fake_run(tmp_path, "short", 0.3, 1.2, with_eval=False, steps=2)  # two points fit any curve
+    page = write_report([flat, short], tmp_path / "r.html").read_text()
+    for label in ("flat", "short"):
+        row = row_of(page, label)
+        # collapse step (None here), a, b, R²: all shown as –, none as a perfect 1.000
+        assert "<td>–</td><td>–</td><td>–</td><td>–</td>" in row, row
+        assert "1.000" not in row
+    # The plot's legend says why there is no curve.
+    assert sorted(drawn) == ["flat (no fit: reward never changed)", "short (no fit: 2 steps, the fit needs 3)"]
+    assert all(fit is None for _, _, fit in drawn.values())
+
+
+def test_report_says_which_n_and_how_many_problems_passk_came_from(tmp_path):
+    run = fake_run(tmp_path, "grpo", 0.3, 1.2, with_eval=False)
+    entry = {"label": "grpo", "n": 16, "num_problems": 50, "pass@k": {"1": 0.3, "16": 0.7}, "diversity": {}}
+    (run / "eval_passk.json").write_text(json.dumps({"settings": {"n": 16}, "n": 16, "num_problems": 50,
+                                                     "models": [entry]}))
+    # A file from before n was stored in the entry: the settings still say it.
+    old = fake_run(tmp_path, "old", 0.2, 1.0, with_eval=False)
+    (old / "eval_passk.json").write_text(json.dumps({"settings": {"n": 8}, "models": [
+        {"label": "old", "pass@k": {"1": 0.2, "8": 0.5}, "diversity": {}}]}))
+    page = write_report([run, old], tmp_path / "r.html").read_text()
+    assert "<td>n=16, 50 problems</td>" in row_of(page, "grpo")
+    assert "<td>n=8</td>" in row_of(page, "old")
+    assert "grpo: n=16, 50 problems; old: n=8" in page  # the pass@k plot's caption

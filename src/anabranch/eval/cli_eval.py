@@ -19,8 +19,9 @@ def _ks(text: str) -> list[int]:
 def _add_sampling(p) -> None:
     p.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
     p.add_argument("--k", type=_ks, default=[], help="k values for pass@k and maj@k, e.g. 1,4,16 (default 1,2,4,..,n)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature, >= 0 (0: greedy decoding, allowed only with --n 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default 1: off)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the config's eval/rollout length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")
@@ -30,7 +31,8 @@ def _add_sampling(p) -> None:
 def add_subcommands(sub) -> None:
     p = sub.add_parser("eval", help="pass@k, maj@k, greedy accuracy and diversity of one or more models")
     p.add_argument("args", nargs="+", metavar="MODEL_OR_KEY=VALUE",
-                   help="models (HF path/id, run directory, checkpoint folder), then dotted config overrides")
+                   help="models (run directory, checkpoint folder RUN/checkpoints/step-NNNNNN, HF folder or "
+                        "Hub id org/name, packaged:NAME), then dotted config overrides")
     p.add_argument("--config", "-c", default=None, help="YAML config for the task (default: the first run's config)")
     p.add_argument("--out", "-o", default=None, help="output folder (default eval-<time>)")
     _add_sampling(p)
@@ -68,6 +70,7 @@ def run(args) -> int:
             if not models:
                 raise ConfigError("name at least one model: anabranch eval MODEL [MODEL...] [key=value ...]")
             out = args.out or f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+            # run_eval checks the settings and every model before it loads any of them.
             run_eval(models, args.config, overrides, settings_from(args), out)
             print(f"wrote {out}/passk.json and {out}/passk.png")
         elif args.command == "compare":
@@ -75,6 +78,8 @@ def run(args) -> int:
             from anabranch.eval.runner import EvalSettings
 
             algos = parse_algorithms(args.algorithms)
+            if args.eval_n < 0:
+                raise ConfigError(f"--eval-n must be >= 0 (0: skip the evaluation), got {args.eval_n}")
             settings = EvalSettings(n=args.eval_n) if args.eval_n > 0 else None
             runs, report = run_compare(algos, args.config, args.overrides, settings)
             print("runs: " + ", ".join(str(r) for r in runs))

@@ -31,16 +31,22 @@ class EntropyLawFit:
         return self.b - self.a
 
 
-def fit_reward_entropy(entropy, reward) -> EntropyLawFit:
+MIN_POINTS = 3  # two parameters through two points always fit exactly: R² = 1 says nothing
+
+
+def fit_reward_entropy(entropy, reward) -> EntropyLawFit | None:
+    """Least-squares fit of R = −a·exp(H) + b, or None when the data cannot support one: fewer
+    than MIN_POINTS finite points, no spread in entropy (a and b are not identifiable), or no
+    variance in reward (R² is 0/0; the old code called that a perfect fit)."""
     h = np.asarray(entropy, dtype=np.float64)
     r = np.asarray(reward, dtype=np.float64)
     keep = np.isfinite(h) & np.isfinite(r)
     h, r = h[keep], r[keep]
-    if h.size < 2 or np.ptp(h) == 0:
-        raise ValueError(f"the reward–entropy fit needs at least two points with different entropies (got {h.size})")
+    if h.size < MIN_POINTS or np.ptp(h) == 0 or np.ptp(r) == 0:
+        return None
     design = np.stack([-np.exp(h), np.ones_like(h)], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, r, rcond=None)
     resid = r - design @ np.array([a, b])
-    ss_tot = float(np.sum((r - r.mean()) ** 2))
-    r2 = 1.0 - float(np.sum(resid ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    ss_tot = float(np.sum((r - r.mean()) ** 2))  # > 0: the reward spread was checked above
+    r2 = 1.0 - float(np.sum(resid ** 2)) / ss_tot
     return EntropyLawFit(a=float(a), b=float(b), r2=r2, n=int(h.size))

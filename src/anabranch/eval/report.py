@@ -4,7 +4,9 @@ Every plot is a PNG embedded as a base64 ``data:`` URI and the only styling is a
 ``<style>`` block, so the file opens from disk with no server and no internet. Sections: reward
 and held-out accuracy over steps, entropy over steps, pass@k curves and diversity (from each
 run's ``eval_passk.json``, written by ``anabranch eval RUN_DIR``), and the fit of the
-reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`). A plot whose data is
+reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`; "–" and a "no fit" legend
+when a run has fewer than 3 steps or a constant reward). The pass@k numbers are labelled with the n
+and problem count of the evaluation they came from. A plot whose data is
 missing is replaced by an image saying what is missing and how to produce it.
 """
 
@@ -13,11 +15,12 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import tempfile
 from pathlib import Path
 
 from anabranch.eval import plots
-from anabranch.eval.entropy_law import fit_reward_entropy
+from anabranch.eval.entropy_law import MIN_POINTS, fit_reward_entropy
 
 PLOTS = ["reward", "accuracy", "entropy", "passk", "diversity", "entropy_law"]
 
@@ -38,7 +41,11 @@ def read_run(run_dir: str | Path) -> dict:
     if (run / "summary.json").is_file():
         data["summary"] = json.loads((run / "summary.json").read_text())
     if (run / "eval_passk.json").is_file():
-        data["evals"] = json.loads((run / "eval_passk.json").read_text()).get("models", [])
+        saved = json.loads((run / "eval_passk.json").read_text())
+        # Each `anabranch eval RUN_DIR` replaces the file, so the sample size it used travels with
+        # the numbers: older files only have it in "settings".
+        n = (saved.get("settings") or {}).get("n")
+        data["evals"] = [{**e, "n": e.get("n", n)} for e in saved.get("models", [])]
     if (run / "config.yaml").is_file():
         import yaml
 
@@ -74,8 +81,9 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
              for r in runs for e in r["evals"]}
     missing_eval = "no eval_passk.json in the run directories: run `anabranch eval RUN_DIR`"
     if evals:
+        basis = "; ".join(f"{k}: {eval_basis(e)}" for k, e in evals.items())
         out["passk"] = (plots.plot_passk({k: e["pass@k"] for k, e in evals.items()}, folder / "passk.png"),
-                        "pass@k on held-out problems")
+                        f"pass@k on held-out problems (from eval_passk.json, the latest `anabranch eval`: {basis})")
         bars = {k: {m: v for m, v in e.get("diversity", {}).items() if isinstance(v, (int, float))}
                 for k, e in evals.items()}
         out["diversity"] = (plots.plot_bars(bars, folder / "diversity.png", "diversity of sampled completions"),
@@ -98,11 +106,10 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
         pairs = [(x, by_step[s]) for s, x in zip(steps_h, h) if s in by_step]
         if len(pairs) >= 2:
             hs, rs = [p[0] for p in pairs], [p[1] for p in pairs]
-            try:
-                fit = fit_reward_entropy(hs, rs)
-            except ValueError:
-                fit = None
-            points[r["label"]] = (hs, rs, fit)
+            fit = fit_reward_entropy(hs, rs)
+            # No fit (too few steps, or a constant reward): say so in the legend instead of a curve.
+            label = r["label"] if fit else f"{r['label']} (no fit: {no_fit_reason(hs, rs)})"
+            points[label] = (hs, rs, fit)
             r["entropy_fit"] = fit
     if points:
         out["entropy_law"] = (plots.plot_entropy_law(points, folder / "entropy_law.png"),
@@ -111,6 +118,28 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
         out["entropy_law"] = (plots.placeholder(folder / "entropy_law.png", "fewer than two steps with entropy and reward"),
                               "reward–entropy law")
     return out
+
+
+def no_fit_reason(hs: list, rs: list) -> str:
+    """Why fit_reward_entropy returned None (it drops non-finite points first, so does this)."""
+    pairs = [(h, r) for h, r in zip(hs, rs) if math.isfinite(h) and math.isfinite(r)]
+    if len(pairs) < MIN_POINTS:
+        return f"{len(pairs)} steps, the fit needs {MIN_POINTS}"
+    if len({r for _, r in pairs}) <= 1:
+        return "reward never changed"
+    return "entropy never changed"
+
+
+def eval_basis(entry: dict) -> str:
+    """What the pass@k numbers rest on, e.g. "n=16, 50 problems"."""
+    n = entry.get("n")
+    problems = entry.get("num_problems")
+    if problems is None and isinstance(entry.get("problems"), list):
+        problems = len(entry["problems"])
+    parts = [f"n={n}" if n is not None else "n unknown"]
+    if problems is not None:
+        parts.append(f"{problems} problems")
+    return ", ".join(parts)
 
 
 def _img(path: Path) -> str:
@@ -125,7 +154,7 @@ def _fmt(v) -> str:
 
 def summary_table(runs: list[dict]) -> str:
     head = ["run", "algorithm", "steps", "accuracy before", "accuracy after", "final reward",
-            "collapse step", "a", "b", "R²", "greedy", "pass@1", "pass@max"]
+            "collapse step", "a", "b", "R²", "greedy", "pass@1", "pass@max", "pass@k from"]
     lines = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for r in runs:
         s = r["summary"]
@@ -138,7 +167,8 @@ def summary_table(runs: list[dict]) -> str:
         cells = [r["label"], r["algorithm"], s.get("steps"), s.get("accuracy_before"), s.get("accuracy_after"),
                  rewards[-1] if rewards else None, collapse,
                  fit.a if fit else None, fit.b if fit else None, fit.r2 if fit else None,
-                 ev.get("greedy_accuracy"), pk.get("1"), pk.get(kmax) if kmax else None]
+                 ev.get("greedy_accuracy"), pk.get("1"), pk.get(kmax) if kmax else None,
+                 eval_basis(ev) if ev else None]
         lines.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(lines) + "</table>"
 

@@ -3,7 +3,8 @@ them: pass@k, maj@k, mean@n, greedy accuracy, diversity, and maps of the high-re
 
 A model is named as a Hugging Face path or id, a run directory (its ``final/`` model, and its
 ``config.yaml`` for the task when no other config is given) or a checkpoint folder
-(``checkpoints/step-N``, its ``model/``). Every model is scored on the same problems.
+(``checkpoints/step-NNNNNN``, its ``model/``) or ``packaged:NAME``. Every model is scored on the
+same problems. The models and the sampling settings are checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from anabranch.config import Config, ConfigError, load_config
 from anabranch.eval import diversity, passk
+from anabranch.trainer.preflight import check_model_path
 
 
 @dataclass
@@ -33,6 +35,25 @@ class EvalSettings:
     map_problems: int = 4            # problems drawn in the map of high-reward completions
     batch_prompts: int = 16          # prompts per generate call
 
+    def check(self) -> None:
+        """Cheap range checks, run before any model is loaded (a bad --n or --k used to surface
+        only after the weights loaded, and a bad temperature / top-p silently decoded greedily,
+        so pass@k was computed over n identical samples)."""
+        if self.n < 1:
+            raise ConfigError(f"--n must be >= 1 (samples per problem), got {self.n}")
+        bad = [k for k in self.ks if not 1 <= k <= self.n]
+        if bad:
+            raise ConfigError(f"--k values {bad} are outside 1..n={self.n}; every k must be between 1 and --n")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (0: greedy decoding), got {self.temperature}")
+        if self.temperature == 0 and self.n > 1:
+            raise ConfigError(f"--temperature 0 decodes greedily, so the {self.n} samples per problem would be "
+                              "identical and pass@k meaningless; use a temperature > 0, or --n 1")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"--max-new-tokens must be >= 0 (0: the config's length), got {self.max_new_tokens}")
+
 
 @dataclass
 class ModelSpec:
@@ -42,18 +63,37 @@ class ModelSpec:
     config_file: Path | None = None
 
 
+FORMS = ("a run directory, a checkpoint folder (RUN/checkpoints/step-NNNNNN), a folder written by "
+         "save_pretrained, a Hugging Face Hub id (org/name) or packaged:smollm2-135m-instruct")
+
+
 def resolve_model(spec: str) -> ModelSpec:
-    """A run directory, a checkpoint folder, or a plain HF path / id."""
-    p = Path(spec)
+    """A run directory, a checkpoint folder, a ``packaged:`` name, or a plain HF path / id.
+    Raises ConfigError, without loading anything, for a model that cannot be one of those."""
+    if spec.startswith("packaged:"):
+        from anabranch.models.loading import PACKAGED
+
+        if spec.split(":", 1)[1] not in PACKAGED:
+            raise ConfigError(f"model {spec!r} is not a packaged model; known: "
+                              + ", ".join(f"packaged:{k}" for k in PACKAGED))
+        return ModelSpec(spec.split(":", 1)[1], spec)
+    p = Path(spec).expanduser()
     if (p / "config.yaml").is_file() and (p / "final" / "config.json").is_file():
         return ModelSpec(p.name, str(p / "final"), run_dir=p, config_file=p / "config.yaml")
     if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
         raise ConfigError(f"run directory {p} has no final/ model (trainer.save_final=false?); "
-                          f"name one of its checkpoints instead: {p}/checkpoints/step-N")
+                          f"name one of its checkpoints instead: {p}/checkpoints/step-NNNNNN")
     if (p / "trainer_state.pt").is_file() and (p / "model" / "config.json").is_file():
         run_cfg = p.parent.parent / "config.yaml"
         return ModelSpec(f"{p.parent.parent.name}/{p.name}", str(p / "model"),
                          config_file=run_cfg if run_cfg.is_file() else None)
+    if p.is_dir() and not (p / "config.json").is_file():
+        # Otherwise transformers tries to convert whatever it finds and fails with a long traceback.
+        raise ConfigError(f"model {spec!r} is a folder without config.json; name {FORMS}")
+    # A missing local path: the trainer's check, with the eval wording.
+    check_model_path(spec, "model")
+    if not p.exists() and "/" not in spec:  # load_model refuses these too, but only after the tokenizer
+        raise ConfigError(f"model {spec!r} is neither a local folder nor a Hub id (org/name); name {FORMS}")
     return ModelSpec(p.name or spec, spec)
 
 
@@ -104,7 +144,8 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     answers = [[extract_answer(c) for c in group] for group in completions]
 
     ks = sorted(set(settings.ks)) or passk.default_ks(settings.n)
-    entry = {"label": spec.label, "model": spec.path, **passk.sample_metrics(correct, answers, ks)}
+    entry = {"label": spec.label, "model": spec.path, **passk.sample_metrics(correct, answers, ks),
+             "num_problems": len(rows)}
     if settings.greedy:
         entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new)["accuracy"]
     div, high = diversity_of(completions, answers, correct, settings)
@@ -162,12 +203,16 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
     """Evaluate every model on the same problems; write passk.json, passk.png and map.png."""
     from anabranch.eval import plots
 
+    settings.check()
+    if not models:
+        raise ConfigError("name at least one model to evaluate")
     specs = [resolve_model(m) for m in models]
     labels = [s.label for s in specs]
     for i, s in enumerate(specs):  # the same folder name twice: make the labels differ
         if labels.count(s.label) > 1:
             s.label = f"{s.label}#{i + 1}"
     cfg = base_config(specs, config_file, overrides)
+    check_model_path(cfg.model.tokenizer, "model.tokenizer")  # every model is loaded with it
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     entries, highs = [], {}
@@ -177,8 +222,8 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         highs[spec.label] = high
         print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())
               + (f", greedy={entry['greedy_accuracy']:.3f}" if "greedy_accuracy" in entry else ""))
-        if spec.run_dir is not None:  # picked up by `anabranch report`
-            _write(spec.run_dir / "eval_passk.json", {"settings": dataclasses.asdict(settings), "models": [entry]})
+        if spec.run_dir is not None:  # picked up by `anabranch report`, which shows the n and problems
+            _write_run_eval(spec.run_dir / "eval_passk.json", settings, cfg, entry)
     result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}
     plots.plot_passk({e["label"]: e["pass@k"] for e in entries}, out / "passk.png")
     result["map"] = plots.plot_high_reward_map(highs, out / "map.png", settings.map_problems)
@@ -186,6 +231,20 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         print("no map of high-reward completions: no problem had 3 or more (or embeddings were off)")
     _write(out / "passk.json", result)
     return result
+
+
+def _write_run_eval(path: Path, settings: EvalSettings, cfg: Config, entry: dict) -> None:
+    """The run's latest evaluation (one file per run, replaced each time: other code reads it by
+    name). It records n and the problem count, and replacing a different one is said aloud."""
+    try:
+        old = json.loads(path.read_text()).get("models", [{}])[0] if path.is_file() else {}
+    except (ValueError, IndexError, AttributeError):
+        old = {}
+    if old and (old.get("n"), old.get("num_problems")) != (entry["n"], entry["num_problems"]):
+        print(f"replacing {path} (n={old.get('n')}, {old.get('num_problems', '?')} problems) with "
+              f"n={entry['n']}, {entry['num_problems']} problems")
+    _write(path, {"settings": dataclasses.asdict(settings), "n": entry["n"], "num_problems": entry["num_problems"],
+                  "task": {"name": cfg.task.name, "eval_size": cfg.task.eval_size}, "models": [entry]})
 
 
 def _write(path: Path, data) -> None:
