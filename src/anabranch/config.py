@@ -233,7 +233,7 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     warmup_steps: int = 0
     lr_schedule: str = "constant"
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     # Sequences per forward/backward; gradients are accumulated over the step's batch.
     micro_batch_size: int = 16
     # When > 0, micro-batches are packed by length to at most this many (padded) tokens each and

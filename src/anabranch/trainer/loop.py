@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,7 +109,11 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
             )
-        scheduler.step()
+        with warnings.catch_warnings():
+            # A step whose update the non-finite guard skipped never called optimizer.step(); the
+            # schedule still advances by one step, which is what torch's warning is about.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            scheduler.step()
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics})
