@@ -109,3 +109,28 @@ def test_largest_generate_call_of_a_run():
     cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.n=8", "rollout.max_new_tokens=64",
                              "trainer.eval_max_new_tokens=300"])
     assert largest_generate_kv(cfg, 37, eval_prompts=100) == 64 * 352  # 337 tokens in 32-token blocks
+
+
+def test_engine_env_quiets_vllm_and_drops_only_its_benign_per_step_warnings(monkeypatch, caplog):
+    import logging
+
+    from anabranch.rollout.vllm_backend import _set_engine_env
+
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)  # restored (unset) after the test
+    _set_engine_env(torch.device("cpu"))
+    _set_engine_env(torch.device("cpu"))  # a second engine adds no second filter
+    import os
+
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert len(layerwise.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logging.getLogger("vllm.v1.worker.cpu_worker").warning(
+            "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+        layerwise.warning("%s: something else", "Linear")
+    assert [r.getMessage() for r in caplog.records] == ["Linear: something else"]
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    _set_engine_env(torch.device("cpu"))
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"  # the user's choice stands

@@ -32,6 +32,7 @@ move by reference, not through a socket.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -50,8 +51,34 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# vLLM warnings that this backend's own use of the engine makes every step and that mean nothing
+# wrong: the in-place weight reload finds no weights for the rotary embedding (it has only a
+# computed cache), and the in-process CPU worker refuses torch.set_num_threads, which
+# VLLMBackend.__init__ restores for the trainer. {logger name: message start}
+_BENIGN_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    "vllm.v1.worker.cpu_worker": "CPU backend doesn't allow to use",
+}
+
+
+class _DropBenign(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
 def _set_engine_env(device: torch.device) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM logs at INFO several lines per weight sync (reload, prefix-cache reset) across the
+    # trainer's progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name, start in _BENIGN_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropBenign) for f in logger.filters):
+            logger.addFilter(_DropBenign(start))
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(torch.get_num_threads(), 1) - 1}")
 
