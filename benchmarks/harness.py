@@ -42,6 +42,10 @@ class Workload:
     vllm_cpu_kv_cache_mib: int = 0  # 0: sized for the workload, as `anabranch train` does
     compile_layers: bool = False  # anabranch's trainer.compile_layers (models/fused_layers.py)
     vllm_cpu_compile: bool = False  # anabranch's rollout.vllm_cpu_compile (vLLM compiles the CPU engine's model)
+    # Both sides: recompute activations in the backward pass. TRL's GRPOConfig turns it on unless told
+    # otherwise (TRL 1.16: gradient_checkpointing=True by default), anabranch's model config does not;
+    # the comparison sets the same value on both (off: the faster choice when memory allows).
+    gradient_checkpointing: bool = False
     # anabranch only: the matmul peak of the moment, probed for probe_seconds right before and after
     # each update (see MatmulProbe); the probes' time is taken out of the step's timings.
     probe_peak: bool = False
@@ -205,7 +209,8 @@ class AnabranchRunner:
         t0 = time.perf_counter()
         self.w, self.backend_name = w, backend
         self.tok = load_tokenizer(ModelConfig(path=w.model))
-        self.model = load_model(ModelConfig(path=w.model), torch.device("cpu"), trainable=True)
+        self.model = load_model(ModelConfig(path=w.model, gradient_checkpointing=w.gradient_checkpointing),
+                                torch.device("cpu"), trainable=True)
         if w.compile_layers:  # compiled in the first (warm-up) update
             from anabranch.models.fused_layers import install
 
@@ -276,12 +281,29 @@ class AnabranchRunner:
 # --------------------------------------------------------------------------- TRL
 
 
+def trl_config(w: Workload, out_dir: str):
+    """TRL's GRPOConfig for the workload: the settings anabranch's runner uses (fp32 on CPU, one
+    optimizer step per batch, fused AdamW, constant LR, clip 1.0, β = 0, exactly ``w.tokens`` new
+    tokens), with TRL's own defaults overridden where they differ (bf16, gradient checkpointing)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=w.prompts_per_step * w.n, gradient_accumulation_steps=1,
+        num_generations=w.n, max_completion_length=w.tokens, generation_kwargs={"min_new_tokens": w.tokens},
+        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
+        max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch_fused", max_steps=w.warmup + w.steps,
+        use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
+        shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=w.gradient_checkpointing,
+    )
+
+
 def run_trl(w: Workload, gate=None) -> RunResult:
     """TRL's GRPOTrainer on the same workload; `_generate` is wrapped to time the rollouts. ``gate``,
     if given, is called before each step, outside its timing (interleave.wait_for_turn)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from anabranch.config import ModelConfig
     from anabranch.models.loading import load_tokenizer
@@ -299,15 +321,7 @@ def run_trl(w: Workload, gate=None) -> RunResult:
         return contains_answer(completions, [by_prompt[p] for p in prompts])
 
     model = AutoModelForCausalLM.from_pretrained(w.model, dtype=torch.float32)
-    out_dir = tempfile.mkdtemp(prefix="trl-bench-")
-    args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=w.prompts_per_step * w.n, gradient_accumulation_steps=1,
-        num_generations=w.n, max_completion_length=w.tokens, generation_kwargs={"min_new_tokens": w.tokens},
-        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
-        max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch_fused", max_steps=w.warmup + w.steps,
-        use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
-        shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-    )
+    args = trl_config(w, tempfile.mkdtemp(prefix="trl-bench-"))
     ds = Dataset.from_list([{"prompt": p} for p in prompts])
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
     res = RunResult("trl", "generate", startup_s=time.perf_counter() - t0)

@@ -67,6 +67,8 @@ def parse() -> argparse.Namespace:
                     help="anabranch with trainer.compile_layers=true (compiled norm, MLP and rotary; CPU)")
     ap.add_argument("--vllm-cpu-compile", action="store_true",
                     help="anabranch with rollout.vllm_cpu_compile=true (vLLM compiles the CPU engine's model)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="both sides recompute activations in the backward pass (TRL's own default; off here)")
     ap.add_argument("--no-probe-peak", action="store_true",
                     help="no matmul probes around anabranch's updates (no `fwd+bwd MFU (adjacent)`)")
     ap.add_argument("--skip-trl", action="store_true")
@@ -82,7 +84,7 @@ def worker(args) -> None:
                  micro_batch_tokens=args.micro_batch_tokens, share_prompt_prefix=not args.no_share_prefix,
                  vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib, compile_layers=args.compile_layers,
                  probe_peak=args.worker == "anabranch" and not args.no_probe_peak,
-                 vllm_cpu_compile=args.vllm_cpu_compile,
+                 vllm_cpu_compile=args.vllm_cpu_compile, gradient_checkpointing=args.gradient_checkpointing,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     # the parent runs each step when it says so (interleave.py), in both orders
@@ -102,6 +104,7 @@ def worker_cmd(args, system: str, model_dir: str) -> list[str]:
     cmd += ["--compile-layers"] if args.compile_layers else []
     cmd += ["--no-probe-peak"] if args.no_probe_peak else []
     cmd += ["--vllm-cpu-compile"] if args.vllm_cpu_compile else []
+    cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     return cmd
 
 
@@ -160,7 +163,8 @@ def main() -> None:
           f"anabranch backend {args.backend}, {args.threads} threads, fp32; {args.steps} timed steps x "
           f"{args.rounds} round(s) after {args.warmup} warm-up; freed memory kept by anabranch: "
           f"{not args.no_keep_freed_memory}, by TRL: {args.trl_keep_freed_memory}; vLLM compiled on CPU: "
-          f"{args.vllm_cpu_compile}; compiled layers: {args.compile_layers}")
+          f"{args.vllm_cpu_compile}; compiled layers: {args.compile_layers}; gradient checkpointing (both): "
+          f"{args.gradient_checkpointing}")
     shared = "each prompt once per group" if not args.no_share_prefix else "every sequence's prompt"
     print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step "
           f"(the tokens it computes: {shared})")

@@ -38,3 +38,16 @@ def test_without_probe_peak_nothing_is_probed(tiny_folder):
     res = runner.run()
     assert res.adjacent_peak_gflops == [] and runner.probe.wall_s == 0.0
 
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_both_sides_get_the_same_gradient_checkpointing(tiny_folder, checkpointing, tmp_path):
+    # TRL's GRPOConfig turns gradient checkpointing on by default (TRL 1.16), which recomputes every
+    # layer's forward in its update; the comparison must set the same value on both sides.
+    w = harness.Workload(model=tiny_folder, prompts_per_step=2, n=2, tokens=4, warmup=0, steps=1,
+                         gradient_checkpointing=checkpointing)
+    runner = harness.AnabranchRunner(w, "hf")
+    assert runner.model.is_gradient_checkpointing is checkpointing
+    pytest.importorskip("trl", reason="trl not installed (benchmark extra: pip install 'anabranch[bench]')")
+    assert harness.trl_config(w, str(tmp_path)).gradient_checkpointing is checkpointing
+    assert harness.trl_config(w, str(tmp_path)).bf16 is False
