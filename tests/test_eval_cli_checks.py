@@ -91,6 +91,7 @@ def test_good_arguments_reach_the_model_load(tmp_path, hf_folder, no_loading, ca
         cli.main(common + ["--n", "1", "--temperature", "0"])
     with pytest.raises(Loaded):
         cli.main(common + ["--n", "4", "--k", "1,4", "--top-p", "1"])
+    assert not (tmp_path / "ev").exists()  # a load that fails leaves no empty output folder
 
 
 def test_accepted_model_forms_resolve(tmp_path, hf_folder):

@@ -213,8 +213,7 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
             s.label = f"{s.label}#{i + 1}"
     cfg = base_config(specs, config_file, overrides)
     check_model_path(cfg.model.tokenizer, "model.tokenizer")  # every model is loaded with it
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created once there is something to write: a failed load leaves no empty folder
     entries, highs = [], {}
     for spec in specs:
         entry, high = evaluate_model(cfg, spec, settings)
@@ -225,6 +224,7 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         if spec.run_dir is not None:  # picked up by `anabranch report`, which shows the n and problems
             _write_run_eval(spec.run_dir / "eval_passk.json", settings, cfg, entry)
     result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}
+    out.mkdir(parents=True, exist_ok=True)
     plots.plot_passk({e["label"]: e["pass@k"] for e in entries}, out / "passk.png")
     result["map"] = plots.plot_high_reward_map(highs, out / "map.png", settings.map_problems)
     if result["map"] is None:
