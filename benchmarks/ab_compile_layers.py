@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import update_batch  # noqa: E402
+from harness import in_turns, update_batch  # noqa: E402
 
 
 def main() -> None:
@@ -55,11 +55,8 @@ def main() -> None:
     update(False)
     print(f"first compiled update (compilation included): {update(True):.1f} s", flush=True)
     update(True)
-    times = {False: [], True: []}
-    for r in range(args.rounds):
-        for compiled in (False, True):
-            times[compiled].append(update(compiled))
-            print(f"round {r}: {'compiled' if compiled else 'plain   '} {times[compiled][-1]:.2f} s", flush=True)
+    times = in_turns([False, True], lambda compiled, _r: update(compiled), args.rounds,
+                     label=lambda compiled: "compiled" if compiled else "plain")
     plain, fused = statistics.median(times[False]), statistics.median(times[True])
     wins = sum(f < p for p, f in zip(times[False], times[True]))
     print(f"median plain {plain:.2f} s, compiled {fused:.2f} s ({fused / plain - 1:+.1%}); "

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_prompts, batch_parser, model_folder  # noqa: E402
+from harness import arithmetic_prompts, batch_parser, in_turns, model_folder  # noqa: E402
 
 
 def main() -> None:
@@ -42,15 +42,14 @@ def main() -> None:
         backend.share_prompt_prefix = share
         greedy[share] = backend.generate(prompts, 2, greedy=True).response_ids
     print(f"greedy rollouts equal with and without the shared prefill: {torch.equal(greedy[True], greedy[False])}")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for share in (True, False) if r % 2 == 0 else (False, True):
-            backend.share_prompt_prefix = share
-            torch.manual_seed(r)
-            start = time.perf_counter()
-            backend.generate(prompts, args.n)
-            times[share].append(time.perf_counter() - start)
-            print(f"round {r}: {'shared' if share else 'plain '} {times[share][-1]:.2f} s", flush=True)
+    def timed(share: bool, r: int) -> float:
+        backend.share_prompt_prefix = share
+        torch.manual_seed(r)
+        start = time.perf_counter()
+        backend.generate(prompts, args.n)
+        return time.perf_counter() - start
+
+    times = in_turns([True, False], timed, args.rounds, label=lambda share: "shared" if share else "plain")
     shared, plain = statistics.median(times[True]), statistics.median(times[False])
     wins = sum(s < p for s, p in zip(times[True], times[False]))
     print(f"median shared {shared:.2f} s, plain {plain:.2f} s: {plain / shared:.2f}x; shared faster in "

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import batch_parser, update_batch, update_flops  # noqa: E402
+from harness import batch_parser, in_turns, update_batch, update_flops  # noqa: E402
 
 
 def parse_plan(name: str) -> dict:
@@ -65,14 +65,14 @@ def main() -> None:
 
     for name, plan in plans.items():
         print(f"untimed {name}: {update(plan)[0]:.2f} s", flush=True)
-    times: dict[str, list[float]] = {name: [] for name in plans}
     order = list(plans)
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            seconds, faults, count = update(plans[name])
-            times[name].append(seconds)
-            print(f"round {r}: {name:12s} {seconds:7.2f} s, {faults / 1e3:7.0f} k page faults, {count} micro-batches, "
-                  f"{seconds / gflop * 1e3:5.1f} s/TFLOP", flush=True)
+
+    def timed(name: str, _round: int) -> tuple[float, str]:
+        seconds, faults, count = update(plans[name])
+        return seconds, (f", {faults / 1e3:7.0f} k page faults, {count} micro-batches, "
+                         f"{seconds / gflop * 1e3:5.1f} s/TFLOP")
+
+    times = in_turns(order, timed, args.rounds)
     base = statistics.median(times[order[0]])
     for name in order:
         med = statistics.median(times[name])

@@ -175,6 +175,21 @@ def update_batch(model: str, prompts: int, n: int, tokens: int, device: str = "c
     return UpdateBatch(path, policy, ro, algo, adamw(policy.parameters(), lr=LR), rewards, adv)
 
 
+def in_turns(variants: list, run, rounds: int, label=str) -> dict:
+    """Time each of ``variants`` once per round, in turns (A B ... then ... B A, so the host's drift
+    hits them alike); ``run(variant, round)`` returns seconds, or (seconds, note) to print beside
+    them. Returns {variant: [seconds per round]}."""
+    times = {v: [] for v in variants}
+    width = max(len(label(v)) for v in variants)
+    for r in range(rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            out = run(v, r)
+            seconds, note = out if isinstance(out, tuple) else (out, "")
+            times[v].append(seconds)
+            print(f"round {r}: {label(v):<{width}} {seconds:7.2f} s{note}", flush=True)
+    return times
+
+
 def engine_kv_tokens(tokenizer, prompts: list[str], sequences: int, tokens: int) -> int:
     """The KV cache `anabranch train` would give the vLLM engine (trainer/components.py) for calls of
     ``sequences`` sequences of the longest of ``prompts`` plus ``tokens`` new tokens."""

@@ -34,16 +34,33 @@ class EntropyLawFit:
 MIN_POINTS = 3  # two parameters through two points always fit exactly: R² = 1 says nothing
 
 
-def fit_reward_entropy(entropy, reward) -> EntropyLawFit | None:
-    """Least-squares fit of R = −a·exp(H) + b, or None when the data cannot support one: fewer
-    than MIN_POINTS finite points, no spread in entropy (a and b are not identifiable), or no
-    variance in reward (R² is 0/0; the old code called that a perfect fit)."""
+def _finite(entropy, reward) -> tuple[np.ndarray, np.ndarray]:
     h = np.asarray(entropy, dtype=np.float64)
     r = np.asarray(reward, dtype=np.float64)
     keep = np.isfinite(h) & np.isfinite(r)
-    h, r = h[keep], r[keep]
-    if h.size < MIN_POINTS or np.ptp(h) == 0 or np.ptp(r) == 0:
+    return h[keep], r[keep]
+
+
+def why_no_fit(entropy, reward) -> str | None:
+    """Why the data cannot support a fit (None when it can): fewer than MIN_POINTS finite points, no
+    variance in reward (R² is 0/0; the old code called that a perfect fit), or no spread in entropy
+    (a and b are not identifiable)."""
+    h, r = _finite(entropy, reward)
+    if h.size < MIN_POINTS:
+        return f"{h.size} steps, the fit needs {MIN_POINTS}"
+    if np.ptp(r) == 0:
+        return "reward never changed"
+    if np.ptp(h) == 0:
+        return "entropy never changed"
+    return None
+
+
+def fit_reward_entropy(entropy, reward) -> EntropyLawFit | None:
+    """Least-squares fit of R = −a·exp(H) + b over the finite points, or None where
+    :func:`why_no_fit` gives a reason."""
+    if why_no_fit(entropy, reward) is not None:
         return None
+    h, r = _finite(entropy, reward)
     design = np.stack([-np.exp(h), np.ones_like(h)], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, r, rcond=None)
     resid = r - design @ np.array([a, b])

@@ -15,12 +15,11 @@ from __future__ import annotations
 import base64
 import html
 import json
-import math
 import tempfile
 from pathlib import Path
 
 from anabranch.eval import plots
-from anabranch.eval.entropy_law import MIN_POINTS, fit_reward_entropy
+from anabranch.eval.entropy_law import fit_reward_entropy, why_no_fit
 
 PLOTS = ["reward", "accuracy", "entropy", "passk", "diversity", "entropy_law"]
 
@@ -108,7 +107,7 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
             hs, rs = [p[0] for p in pairs], [p[1] for p in pairs]
             fit = fit_reward_entropy(hs, rs)
             # No fit (too few steps, or a constant reward): say so in the legend instead of a curve.
-            label = r["label"] if fit else f"{r['label']} (no fit: {no_fit_reason(hs, rs)})"
+            label = r["label"] if fit else f"{r['label']} (no fit: {why_no_fit(hs, rs)})"
             points[label] = (hs, rs, fit)
             r["entropy_fit"] = fit
     if points:
@@ -118,16 +117,6 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
         out["entropy_law"] = (plots.placeholder(folder / "entropy_law.png", "fewer than two steps with entropy and reward"),
                               "reward–entropy law")
     return out
-
-
-def no_fit_reason(hs: list, rs: list) -> str:
-    """Why fit_reward_entropy returned None (it drops non-finite points first, so does this)."""
-    pairs = [(h, r) for h, r in zip(hs, rs) if math.isfinite(h) and math.isfinite(r)]
-    if len(pairs) < MIN_POINTS:
-        return f"{len(pairs)} steps, the fit needs {MIN_POINTS}"
-    if len({r for _, r in pairs}) <= 1:
-        return "reward never changed"
-    return "entropy never changed"
 
 
 def eval_basis(entry: dict) -> str:

@@ -126,17 +126,6 @@ class FailureLog:
         return text
 
 
-_DEFAULT_LOGS: dict[str, FailureLog] = {}
-
-
-def failure_log(name: str) -> FailureLog:
-    """The process-wide log for callers of :func:`guarded_call` that do not keep their own."""
-    log = _DEFAULT_LOGS.get(name)
-    if log is None:
-        log = _DEFAULT_LOGS[name] = FailureLog(name)
-    return log
-
-
 def _describe(exc: BaseException, where: bool = False) -> str:
     """``Type: message`` (the traceback's last line, on one line), with where it was raised."""
     message = " ".join(str(exc).split())
@@ -263,14 +252,14 @@ def guarded_call(name: str, fn, args: tuple, kwargs: dict, n: int, *, timeout: f
                  log: FailureLog | None = None) -> GuardedResult:
     """Call ``fn(*args, **kwargs)`` (a reward for ``n`` completions) under a deadline.
 
-    A failure is counted in ``log`` (the source's :class:`FailureLog`; a process-wide one per
-    ``name`` if not given), which warns on the console as it says.
+    A failure is counted in ``log`` (the source's :class:`FailureLog`, which keeps the counts across
+    calls; a fresh one if not given), which warns on the console as it says.
     """
     if isolation == "process" and "fork" not in mp.get_all_start_methods():
         isolation = "thread"
     if isolation not in ("process", "thread", "none"):
         raise ValueError(f"reward isolation must be process, thread or none (got {isolation!r})")
-    log = log if log is not None else failure_log(name)
+    log = log if log is not None else FailureLog(name)
     runner = {"process": _in_process, "thread": _in_thread, "none": _inline}[isolation]
     try:
         values, metrics = runner(fn, args, kwargs, n, timeout)
