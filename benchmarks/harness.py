@@ -46,6 +46,12 @@ class Workload:
     # otherwise (TRL 1.16: gradient_checkpointing=True by default), anabranch's model config does not;
     # the comparison sets the same value on both (off: the faster choice when memory allows).
     gradient_checkpointing: bool = False
+    # anabranch's trainer.zero_advantage_rows: sequences with Â = 0 everywhere (a prompt whose n
+    # samples got the same reward) get a forward pass without gradient (forward, the trainer's
+    # default), none (skip), or forward and backward (train). The benchmarks default to train, as
+    # TRL does, so both sides compute the same work: the random tiny model never earns a reward,
+    # so with forward its updates would hold no backward pass at all.
+    zero_advantage_rows: str = "train"
     # anabranch only: the matmul peak of the moment, probed for probe_seconds right before and after
     # each update (see MatmulProbe); the probes' time is taken out of the step's timings.
     probe_peak: bool = False
@@ -64,6 +70,8 @@ class RunResult:
     forward_backward_s: list = field(default_factory=list)
     # anabranch with Workload.probe_peak: per timed step, the mean of the probes before and after its update
     adjacent_peak_gflops: list = field(default_factory=list)
+    # anabranch: per timed step, the fraction of sequences with Â = 0 everywhere (no share in the gradient)
+    zero_advantage_frac: list = field(default_factory=list)
     generated_tokens: int = 0     # per step
     trained_tokens: int = 0       # per step: real (non-pad) prompt + response tokens
     prompt_tokens: list = field(default_factory=list)  # per sequence of the last step
@@ -261,7 +269,8 @@ class AnabranchRunner:
         self.last_stats = policy_update(
             self.model, self.opt, ro, adv, rewards, self.algo, micro_batch_size=ro.response_ids.shape[0],
             grad_clip=1.0, temperature=self.rollout_cfg.temperature, max_response_len=tokens,
-            micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix)
+            micro_batch_tokens=self.w.micro_batch_tokens, share_prompt_prefix=self.w.share_prompt_prefix,
+            zero_advantage_rows=self.w.zero_advantage_rows)
         self.probe()
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
@@ -284,6 +293,7 @@ class AnabranchRunner:
                 res.generate_s.append(t_gen)
                 res.update_s.append(t_upd)
                 res.forward_backward_s.append(self.last_stats["time/forward_backward_s"])
+                res.zero_advantage_frac.append(self.last_stats.get("update/zero_advantage_frac", 0.0))
                 if w.probe_peak:
                     res.adjacent_peak_gflops.append(sum(self.probe.gflops) / len(self.probe.gflops))
         res.generated_tokens = int(ro.response_mask.sum())
@@ -459,6 +469,7 @@ def summarize(r: RunResult) -> dict:
            "trained tok/s": r.trained_tokens / max(step, 1e-9), "peak RSS MiB": r.peak_rss_mib}
     if r.forward_backward_s:
         out["fwd+bwd s"] = mean(r.forward_backward_s)
+        out["zero-adv. seqs"] = mean(r.zero_advantage_frac)
     return out
 
 

@@ -69,6 +69,10 @@ def parse() -> argparse.Namespace:
                     help="anabranch with rollout.vllm_cpu_compile=true (vLLM compiles the CPU engine's model)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="both sides recompute activations in the backward pass (TRL's own default; off here)")
+    ap.add_argument("--zero-advantage-rows", default="train", choices=["forward", "skip", "train"],
+                    help="anabranch's trainer.zero_advantage_rows: sequences with no share in the gradient get "
+                         "a forward pass without gradient (forward, the trainer's default), none (skip) or "
+                         "forward and backward (train, as TRL does: the default here, so both do the same work)")
     ap.add_argument("--no-probe-peak", action="store_true",
                     help="no matmul probes around anabranch's updates (no `fwd+bwd MFU (adjacent)`)")
     ap.add_argument("--skip-trl", action="store_true")
@@ -85,6 +89,7 @@ def worker(args) -> None:
                  vllm_cpu_kv_cache_mib=args.vllm_kv_cache_mib, compile_layers=args.compile_layers,
                  probe_peak=args.worker == "anabranch" and not args.no_probe_peak,
                  vllm_cpu_compile=args.vllm_cpu_compile, gradient_checkpointing=args.gradient_checkpointing,
+                 zero_advantage_rows=args.zero_advantage_rows,
                  keep_freed_memory=(not args.no_keep_freed_memory if args.worker == "anabranch"
                                     else args.trl_keep_freed_memory))
     # the parent runs each step when it says so (interleave.py), in both orders
@@ -97,7 +102,8 @@ def worker_cmd(args, system: str, model_dir: str) -> list[str]:
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", model_dir, "--backend", args.backend,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--micro-batch-tokens", str(args.micro_batch_tokens), "--vllm-kv-cache-mib", str(args.vllm_kv_cache_mib)]
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--vllm-kv-cache-mib", str(args.vllm_kv_cache_mib),
+           "--zero-advantage-rows", args.zero_advantage_rows]
     cmd += ["--no-share-prefix"] if args.no_share_prefix else []
     cmd += ["--no-keep-freed-memory"] if args.no_keep_freed_memory else []
     cmd += ["--trl-keep-freed-memory"] if args.trl_keep_freed_memory else []
@@ -117,6 +123,7 @@ def merge(results: list[RunResult]) -> RunResult:
         out.update_s += r.update_s
         out.forward_backward_s += r.forward_backward_s
         out.adjacent_peak_gflops += r.adjacent_peak_gflops
+        out.zero_advantage_frac += r.zero_advantage_frac
         out.peak_rss_mib = max(out.peak_rss_mib, r.peak_rss_mib)
     return out
 
@@ -150,13 +157,19 @@ def main() -> None:
     table = {k: summarize(v) for k, v in merged.items()}
     ana = merged["anabranch"]
     # The FLOPs anabranch computes: with shared prompt prefixes, each prompt once per group of n.
-    flops = update_flops(model_dir, ana.prompt_tokens, args.tokens, 1 if args.no_share_prefix else args.n)
+    full = update_flops(model_dir, ana.prompt_tokens, args.tokens, 1 if args.no_share_prefix else args.n)
+    # Sequences with no share in the gradient get a forward pass only (a third of 6·N·T) or none, so
+    # each step's FLOPs computed are those of the whole batch less that (by row count: an estimate).
+    saved = {"forward": 2 / 3, "skip": 1.0, "train": 0.0}[args.zero_advantage_rows]
+    step_flops = [full * (1 - saved * f) for f in ana.zero_advantage_frac] or [full]
+    flops = sum(step_flops) / len(step_flops)
     # Issue 7's measure: the forward+backward passes against the peak. The whole update (plus
     # rewards, clipping, the optimizer step and the weight sync to the engine) is kept beside it.
     table["anabranch"]["fwd+bwd MFU"] = flops / (table["anabranch"]["fwd+bwd s"] * 1e9) / peak
     table["anabranch"]["update MFU"] = flops / (table["anabranch"]["update s"] * 1e9) / peak
     if ana.adjacent_peak_gflops:  # each step against the matmul speed probed around its update
-        per_step = [flops / (fb * 1e9) / p for fb, p in zip(ana.forward_backward_s, ana.adjacent_peak_gflops)]
+        per_step = [fl / (fb * 1e9) / p
+                    for fl, fb, p in zip(step_flops, ana.forward_backward_s, ana.adjacent_peak_gflops)]
         table["anabranch"]["adjacent peak GFLOP/s"] = sum(ana.adjacent_peak_gflops) / len(per_step)
         table["anabranch"]["fwd+bwd MFU (adjacent)"] = sum(per_step) / len(per_step)
     print(f"\nW: {args.prompts} prompts x {args.n} samples x {args.tokens} new tokens, model {args.model}, "
@@ -164,10 +177,10 @@ def main() -> None:
           f"{args.rounds} round(s) after {args.warmup} warm-up; freed memory kept by anabranch: "
           f"{not args.no_keep_freed_memory}, by TRL: {args.trl_keep_freed_memory}; vLLM compiled on CPU: "
           f"{args.vllm_cpu_compile}; compiled layers: {args.compile_layers}; gradient checkpointing (both): "
-          f"{args.gradient_checkpointing}")
+          f"{args.gradient_checkpointing}; sequences with Â = 0 (anabranch): {args.zero_advantage_rows}")
     shared = "each prompt once per group" if not args.no_share_prefix else "every sequence's prompt"
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP per step "
-          f"(the tokens it computes: {shared})")
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s; anabranch update: {flops / 1e9:.1f} GFLOP computed per step "
+          f"of {full / 1e9:.1f} for the whole batch (the tokens it computes: {shared})")
     keys = list(table["anabranch"].keys())
     print(f"{'':24}" + "".join(f"{k:>14}" for k in table))
     for key in keys:

@@ -253,6 +253,13 @@ class TrainerConfig:
     # in the first update, then 5-12% faster updates on SmolLM2; models/fused_layers.py). Needs a
     # C++ compiler; modules whose math differs keep their own forward.
     compile_layers: bool = False
+    # Sequences with no share in the gradient (Â = 0 on every token: all n samples of the prompt got
+    # the same reward; or no token in the loss), for losses linear in Â without other terms:
+    # forward = a forward pass without gradient, for the step's metrics (entropy, ...), and no
+    # backward; skip = no pass (the update's metrics then cover the trained sequences only);
+    # train = forward and backward as any other. The gradient is the same either way
+    # (trainer/inert_rows.py).
+    zero_advantage_rows: str = "forward"
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0

@@ -244,6 +244,9 @@ def validate(cfg: Config) -> None:
         (cfg.trainer.lr_schedule in ("constant", "cosine", "linear"), "trainer.lr_schedule",
          "must be one of constant, cosine, linear"),
         (cfg.trainer.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 turns clipping off)"),
+        (cfg.trainer.zero_advantage_rows in ("forward", "skip", "train"), "trainer.zero_advantage_rows",
+         "must be forward (no backward pass for sequences with no share in the gradient), skip (no pass at "
+         "all) or train (as any other sequence)"),
         (cfg.trainer.eval_every >= 0, "trainer.eval_every", "must be >= 0 (0: no evaluation during training)"),
         (cfg.trainer.eval_max_new_tokens >= 0, "trainer.eval_max_new_tokens",
          "must be >= 0 (0: rollout.max_new_tokens)"),

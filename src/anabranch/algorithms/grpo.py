@@ -70,7 +70,7 @@ def ppo_surrogate(log_prob, old_log_prob, advantages, cfg):
     return loss_mat, was_clipped, log_ratio
 
 
-@OBJECTIVES.register("ppo_clip", needs=())
+@OBJECTIVES.register("ppo_clip", needs=(), inert_at_zero_advantage=True)
 def ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     loss_mat, was_clipped, log_ratio = ppo_surrogate(log_prob, old_log_prob, advantages, ctx.cfg)
     loss = ctx.aggregate(loss_mat, response_mask)

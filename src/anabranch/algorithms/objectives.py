@@ -17,7 +17,7 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-@OBJECTIVES.register("gspo", needs=())
+@OBJECTIVES.register("gspo", needs=(), inert_at_zero_advantage=True)
 def gspo_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     """GSPO: a sequence-level, length-normalized importance ratio, clipped per sequence.
 
@@ -48,7 +48,7 @@ def gspo_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     return loss, metrics
 
 
-@OBJECTIVES.register("cispo", needs=())
+@OBJECTIVES.register("cispo", needs=(), inert_at_zero_advantage=True)
 def cispo_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     """CISPO: clip the importance weight, not the update; every token keeps its gradient.
 

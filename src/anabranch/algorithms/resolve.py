@@ -25,6 +25,10 @@ class Algorithm:
     # fn(ctx, response_mask) -> (loss, metrics) added to the objective's loss (the critic loss of
     # gae); registered with the estimator or objective as ``aux_loss=...``.
     aux_losses: tuple = ()
+    # The objective's loss is a per-token product with the advantage, so a sequence with Â = 0
+    # everywhere adds nothing to the gradient (registered as ``inert_at_zero_advantage=True``;
+    # trainer/inert_rows.py).
+    inert_at_zero_advantage: bool = False
 
 
 def apply_recipe(cfg: AlgorithmConfig, explicit: set | None = None) -> AlgorithmConfig:
@@ -87,7 +91,7 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
-                     aux_losses=aux)
+                     aux_losses=aux, inert_at_zero_advantage=bool(obj_meta.get("inert_at_zero_advantage")))
 
 
 def check_ranges(cfg: AlgorithmConfig) -> None:

@@ -108,6 +108,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 ref_model=c.ref_model, modules=c.modules, precomputed=adv.precomputed, kl_coef=adv.kl_coef,
                 dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
+                zero_advantage_rows=cfg.trainer.zero_advantage_rows,
             )
         with warnings.catch_warnings():
             # A step whose update the non-finite guard skipped never called optimizer.step(); the

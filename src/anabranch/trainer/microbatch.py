@@ -132,6 +132,19 @@ def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, m
     return out
 
 
+def plan_rows(rows: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor, micro_batch_size: int,
+              micro_batch_tokens: int = 0, group_index: torch.Tensor | None = None, **kwargs) -> list[MicroBatch]:
+    """:func:`plan_micro_batches` over the batch rows ``rows`` only (ascending indices); the
+    micro-batches' ``rows`` index the full batch."""
+    if rows.numel() == 0:
+        return []
+    plan = plan_micro_batches(prompt_mask[rows], response_mask[rows], micro_batch_size, micro_batch_tokens,
+                              group_index=None if group_index is None else group_index[rows], **kwargs)
+    for mb in plan:
+        mb.rows = rows[mb.rows]
+    return plan
+
+
 def _groups(group_index: list[int]) -> list[list[int]]:
     """Runs of equal ``group_index`` (a prompt's samples are consecutive), as row lists."""
     units: list[list[int]] = []

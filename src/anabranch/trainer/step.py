@@ -25,7 +25,8 @@ from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
 from anabranch.rollout.importance import sampler_correction
-from anabranch.trainer.microbatch import forward_micro_batch, micro_batches, plan_micro_batches  # noqa: F401
+from anabranch.trainer.inert_rows import inert_rows
+from anabranch.trainer.microbatch import forward_micro_batch, micro_batches, plan_micro_batches, plan_rows  # noqa: F401
 
 
 @dataclass
@@ -63,10 +64,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                   max_response_len: int, ref_model=None, modules: dict | None = None,
                   params: list | None = None, precomputed: dict | None = None,
                   kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0,
-                  share_prompt_prefix: bool = True) -> dict[str, float]:
+                  share_prompt_prefix: bool = True, zero_advantage_rows: str = "forward") -> dict[str, float]:
     """``micro_batch_tokens > 0`` packs micro-batches by a token budget (trainer/microbatch.py);
     ``share_prompt_prefix`` runs each prompt once for the rows that share it, where the model
     allows (models/shared_prefix.py; same results, fewer tokens computed);
+    ``zero_advantage_rows`` (``forward``, ``skip``, ``train``): what is run for sequences whose loss
+    terms are exactly zero (trainer/inert_rows.py);
     ``precomputed`` holds rollout tensors computed before the update (old/ref log-probs,
     values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL);
     ``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
@@ -89,9 +92,26 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
     share_prefix = share_prompt_prefix and supports_shared_prefix(model)
+    plan_args = dict(group_index=rollout.group_index, share_prefix=share_prefix,
+                     whole_groups="whole_groups" in algo.needs)
     plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
-                              group_index=rollout.group_index, share_prefix=share_prefix,
-                              whole_groups="whole_groups" in algo.needs)
+                              **plan_args)
+    # (micro-batch, takes a backward pass). Sequences with no share in the gradient get a forward pass
+    # without gradient for the metrics, or none (trainer/inert_rows.py).
+    inert = inert_rows(algo, advantages, resp_mask, kl_coef, zero_advantage_rows, dist is not None)
+    metric_tokens = scale.total_tokens  # the response tokens the metrics' means are over
+    if inert is None:
+        passes = [(mb, True) for mb in plan]
+    else:
+        inert = inert.cpu()
+        live = plan_rows(torch.nonzero(~inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask,
+                         micro_batch_size, micro_batch_tokens, **plan_args)
+        idle = [] if zero_advantage_rows == "skip" else plan_rows(
+            torch.nonzero(inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask, micro_batch_size,
+            micro_batch_tokens, **plan_args)
+        passes = [(mb, False) for mb in idle] + [(mb, True) for mb in live]
+        if zero_advantage_rows == "skip":
+            metric_tokens = max(resp_mask[~inert.to(device)].sum().item(), 1.0)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
@@ -118,10 +138,11 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     for _epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        epoch_loss = 0.0
-        for i, mb in enumerate(plan):  # fixed-size (whole groups) in input order, or packed by token budget
-            sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(plan) - 1)
-            with sync:  # DDP: no gradient all-reduce before the last micro-batch's backward
+        epoch_loss, backward_ran = 0.0, False
+        for i, (mb, trains) in enumerate(passes):  # fixed-size (whole groups) in input order, or packed by tokens
+            sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(passes) - 1)
+            grad_mode = contextlib.nullcontext() if trains else torch.no_grad()
+            with sync, grad_mode:  # DDP: no gradient all-reduce before the last micro-batch's backward
                 sl = mb.rows.to(device)
                 fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share_prefix,
                                          entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
@@ -149,8 +170,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
                 if cfg.entropy_coef != 0:
                     loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
-                loss.backward() if dist is None else dist.backward(loss)
-            share = m.sum().item() / scale.total_tokens  # weight of this micro-batch in the means
+                if trains:
+                    loss.backward() if dist is None else dist.backward(loss)
+                    backward_ran = True
+            share = m.sum().item() / metric_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
             epoch_loss += metrics["loss"]
             for key, value in update_diagnostics(fo.log_probs.detach(), old, adv, fo.entropy.detach(), m).items():
@@ -158,6 +181,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             for key, value in metrics.items():
                 # "loss" already carries the full-batch normalizer: it adds up, others average.
                 totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
+        if not backward_ran:
+            # No sequence had a share in the gradient: it is zero, as a backward pass would have
+            # left it, and the optimizer steps on it as before (Adam's moments still decay).
+            for p in params:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         t1 = time.perf_counter()
         clip = torch.nn.utils.clip_grad_norm_ if dist is None else dist.clip_grad_norm
         grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -172,7 +201,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     n_epochs = cfg.ppo_epochs
     out = {k: (v / n_epochs if k != "grad_norm" else v) for k, v in totals.items()}
     out["skipped_updates"] = float(skipped)
-    out["micro_batches"] = float(len(plan))  # per pass over the batch (trainer.micro_batch_tokens / _size)
+    if inert is not None:  # sequences without a share in the gradient (Â = 0 everywhere, or no loss token)
+        out["update/zero_advantage_frac"] = inert.float().mean().item()
+    out["micro_batches"] = float(len(passes))  # per pass over the batch (trainer.micro_batch_tokens / _size)
     out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
     finish_diagnostics(out)
     return out

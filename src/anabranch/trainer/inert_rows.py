@@ -1,0 +1,52 @@
+"""Sequences whose share of the policy gradient is exactly zero, and what the update does with them.
+
+In GRPO-style training a prompt whose n samples all get the same reward (all right or all wrong)
+has Â = 0 on every token of every sample, and for a loss that is a per-token product with Â
+(the PPO clip, GSPO, CISPO) those sequences add exactly nothing to the gradient: their loss terms
+are 0·ratio, and the loss normalizers, which count their tokens, are fixed for the whole batch
+beforehand (``BatchScale``). Yet a plain update still runs their forward and backward passes, and
+uniform groups are common: 42% of the quick start's groups, and DAPO's paper reports batches whose
+groups are increasingly all-correct as training goes on. The same holds for a sequence with no
+token in the loss (DAPO's overlong filter).
+
+``trainer.zero_advantage_rows`` says what the update does with them:
+
+- ``forward`` (default): a forward pass without gradient, for the step's metrics (entropy,
+  approx_kl, the covariances, the sampler mismatch), which stay those of the whole batch; the
+  backward pass, two thirds of a sequence's update cost, is not run. The gradient and every metric
+  are those of ``train``.
+- ``skip``: no pass at all. The gradient is the same; the update's metrics (``entropy``, ...) are
+  then means over the sequences that were trained, and a step where no sequence was leaves them out.
+- ``train``: every sequence is run forward and backward, as any other.
+
+Only where the zero is exact: an objective registered with ``inert_at_zero_advantage=True``,
+with no term outside Â·(...) in the loss (no KL-to-reference in the loss, no entropy bonus, no
+auxiliary loss such as a critic's) and no batch-wide selection over tokens (the high-entropy token
+mask; Clip-Cov and KL-Cov select over the batch and are not registered as inert); a single process
+(with data parallelism, every rank must take part in each backward's gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MODES = ("forward", "skip", "train")
+
+
+def inert_rows(algo, advantages: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
+               mode: str, distributed: bool) -> Optional[torch.Tensor]:
+    """A [B] bool tensor, True for the rows whose loss terms are exactly zero, or None when the
+    update must treat every row alike (``mode='train'``, or the conditions in the module docstring
+    do not hold)."""
+    if mode not in MODES:
+        raise ValueError(f"trainer.zero_advantage_rows must be one of {MODES} (got {mode!r})")
+    cfg = algo.cfg
+    exact = (algo.inert_at_zero_advantage and not algo.aux_losses and "hidden" not in algo.needs
+             and (kl_coef == 0 or cfg.kl_in == "reward") and cfg.entropy_coef == 0
+             and cfg.entropy_top_rho >= 1.0)
+    if mode == "train" or distributed or not exact:
+        return None
+    # `!= 0` rather than an absolute tolerance: a tiny non-zero advantage still has a gradient.
+    return ((advantages != 0) & (response_mask > 0)).sum(-1) == 0
