@@ -1,6 +1,7 @@
 """benchmarks/harness.py: the matmul probes around an update are recorded and kept out of its timings."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,18 +17,20 @@ def tiny_folder(tmp_path_factory):
 
 
 def test_matmul_probes_are_recorded_and_not_counted_in_the_step(tiny_folder):
-    # Two probes of at least 2.5 s around the update: counted, they would add 5 s to a step whose
-    # own work (4 tokens for 4 sequences of a 16.5M model, one update) took 0.8 s on 2 cores.
+    # Two probes of at least 2.5 s around the update. Counted, they would put the step (and the
+    # update) at more than the whole run's wall time less the probes', however busy the host is.
     w = harness.Workload(model=tiny_folder, prompts_per_step=2, n=2, tokens=4, warmup=0, steps=1, probe_peak=True,
                          probe_seconds=2.5)
     runner = harness.AnabranchRunner(w, "hf")
+    t0 = time.perf_counter()
     res = runner.run()
+    total = time.perf_counter() - t0
 
     assert len(runner.probe.gflops) == 2 and runner.probe.wall_s >= 5.0
     assert res.adjacent_peak_gflops == [pytest.approx(sum(runner.probe.gflops) / 2)]
     assert res.adjacent_peak_gflops[0] > 1.0  # GFLOP/s: a real measurement, not a placeholder
     (step,), (gen,), (upd,) = res.step_s, res.generate_s, res.update_s
-    assert step < 2.5 and upd < 2.5
+    assert step + runner.probe.wall_s <= total and upd + runner.probe.wall_s <= total
     # the rewards and advantages are the only parts of the step outside the rollout and the update
     assert gen + upd <= step + 1e-6 < gen + upd + 0.25
 
