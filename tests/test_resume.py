@@ -92,12 +92,14 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, write_jsonl, tmp_path,
 
 def test_resume_auto_continues_own_run_and_keep_last_rotates(tiny_model_dir, write_jsonl, tmp_path, capsys):
     data = write_jsonl([{"prompt": f"Q{i}: say seven", "answer": "7"} for i in range(16)])
+    # A constant LR: trainer.steps is then not part of the trajectory (under cosine it is, and warned).
     first = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 4, "trainer.save_every": 1,
-                                                             "trainer.keep_last": 2}))
+                                                             "trainer.keep_last": 2, "trainer.lr_schedule": "constant"}))
     ckpts = list_checkpoints(Path(first.run_dir) / "checkpoints")
     assert [p.name for p in ckpts] == ["step-000003", "step-000004"]
     more = train(run_cfg(tiny_model_dir, data, tmp_path, **{"trainer.steps": 6, "trainer.save_every": 1,
-                                                            "trainer.keep_last": 2, "trainer.resume": "auto"}))
+                                                            "trainer.keep_last": 2, "trainer.resume": "auto",
+                                                            "trainer.lr_schedule": "constant"}))
     assert len(more.history) == 6
     out = capsys.readouterr().out
     assert "continuing at step 5 of 6" in out and "differs" not in out  # only trainer.steps/resume changed

@@ -119,22 +119,91 @@ def rotate(folder: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint file that cannot be read (cut short, overwritten, copied in part)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def load_state(path: Path) -> dict:
     # Our own file; it holds numpy/python RNG states, which the weights-only unpickler refuses.
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated zip, a pickle cut short, an empty file
+        raise DamagedCheckpoint(f"{Path(path) / STATE_FILE} cannot be read ({_first_line(exc)})") from exc
 
 
-def load_model_weights(model, path: Path) -> None:
+def discard_after(folder: Path, step: int) -> list[Path]:
+    """Rename the complete checkpoints after ``step`` to ``step-N.discarded`` and return their new paths.
+
+    A run resumed from ``step`` replaces what came after it (its log rows are cut too); checkpoints
+    left from that abandoned trajectory would otherwise be taken by ``trainer.resume=auto`` for this
+    run's newest, and by ``trainer.keep_last`` for newer than the ones it writes. Renamed, not
+    deleted: they stay on disk for the user to keep or delete."""
+    moved = []
+    for old in list_checkpoints(folder):
+        if int(_STEP_DIR.match(old.name).group(1)) > step:
+            new = old.with_name(old.name + ".discarded")
+            shutil.rmtree(new, ignore_errors=True)
+            old.rename(new)
+            moved.append(new)
+    return moved
+
+
+def adapter_state(model) -> dict | None:
+    """The trainable tensors of a LoRA policy (peft names), saved under ``"adapter"``; None for a
+    plain model. ``model/`` holds the adapters merged into the base weights, which cannot be split
+    back into base and adapters, so resuming a LoRA run restores these instead."""
+    from anabranch.models.lora import is_peft
+
+    if not is_peft(model):
+        return None
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_adapter_state(model, state: dict) -> None:
+    """Copy saved LoRA tensors into ``model`` in place (the frozen base weights come from
+    ``model.path``, as in the run that wrote them); the names must match exactly."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if set(state) != set(params):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(f"the checkpoint's LoRA adapters do not match this run's (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}): model.lora settings differ")
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.shape != state[name].shape:
+                raise ValueError(f"LoRA tensor {name} has shape {tuple(state[name].shape)} in the checkpoint "
+                                 f"and {tuple(p.shape)} in this run: model.lora.r or the model differ")
+            p.copy_(state[name])
+
+
+def load_model_weights(model, path: Path, trainer_state: dict | None = None) -> None:
     """Copy the weights saved in ``path/model`` into ``model`` in place (same tensors, so an
     optimizer built on them stays valid). Loading through transformers handles tied weights and
     any key renaming it applies when saving; fp32 safetensors round-trip bit for bit. A model
-    sharded with FSDP2 takes its own shard of the full weights (every rank must call this)."""
+    sharded with FSDP2 takes its own shard of the full weights (every rank must call this).
+    A LoRA policy takes its adapters from ``trainer_state["adapter"]`` (see :func:`adapter_state`)."""
     from transformers import AutoModelForCausalLM
 
+    from anabranch.models.lora import is_peft
     from anabranch.trainer.sharded_state import is_fsdp2, load_full_model_state
 
+    if is_peft(model) and not is_fsdp2(model):
+        adapters = (trainer_state or {}).get("adapter")
+        if adapters is None:
+            raise ValueError(f"{path} holds no LoRA adapter weights (only merged ones): it was written by a run "
+                             "without model.lora, or by a version of anabranch that did not save adapters")
+        load_adapter_state(model, adapters)
+        return
+
     dtype = next(model.parameters()).dtype
-    saved = AutoModelForCausalLM.from_pretrained(str(Path(path) / "model"), dtype=dtype)
+    try:
+        saved = AutoModelForCausalLM.from_pretrained(str(Path(path) / "model"), dtype=dtype)
+    except Exception as exc:  # a missing or cut-short file of the checkpoint's own model folder
+        raise DamagedCheckpoint(f"{Path(path) / 'model'} cannot be loaded ({_first_line(exc)})") from exc
     if is_fsdp2(model):
         load_full_model_state(model, saved.state_dict())
     else:

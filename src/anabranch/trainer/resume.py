@@ -1,9 +1,10 @@
 """What a checkpoint holds and how a run continues from one.
 
 A checkpoint holds the policy weights (Hugging Face folder), the optimizer, the LR scheduler, the
-extra trainable heads (``modules``: log Z, value head), every RNG state (python, numpy, torch CPU
-and CUDA; HF ``generate`` samples from the torch generators), the prompt sampler's position, the
-step, the metrics history and the non-finite counters. Restoring all of them makes the resumed
+extra trainable heads (``modules``: log Z, value head), a LoRA policy's unmerged adapters
+(``adapter``; ``model/`` holds them merged, for plain transformers), every RNG state (python,
+numpy, torch CPU and CUDA; HF ``generate`` samples from the torch generators), the prompt
+sampler's position, the step, the metrics history and the non-finite counters. Restoring all of them makes the resumed
 run take exactly the trajectory the uninterrupted one would have taken.
 
 :class:`Checkpointer` is what the loop talks to: ``restore()`` before the first step, and
@@ -19,9 +20,9 @@ import signal
 from pathlib import Path
 
 from anabranch.config import Config, ConfigError
-from anabranch.trainer.checkpoint import (checkpoint_dir, list_checkpoints, load_model_weights, load_module_states,
-                                          load_state, module_states, rng_state, save_checkpoint, set_rng_state,
-                                          staging_dir)
+from anabranch.trainer.checkpoint import (DamagedCheckpoint, adapter_state, checkpoint_dir, discard_after,
+                                          list_checkpoints, load_model_weights, load_module_states, load_state,
+                                          module_states, rng_state, save_checkpoint, set_rng_state, staging_dir)
 from anabranch.trainer.distributed import Distributed
 from anabranch.trainer.sharded_state import (full_model_state, full_optimizer_state, is_fsdp2, load_engine_state,
                                              load_full_optimizer_state, save_engine_state, uses_engine_state)
@@ -46,7 +47,18 @@ def find_checkpoint(cfg: Config, run_path: Path) -> Path | None:
         raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint folder (no trainer_state.pt) "
                           "nor a run directory with complete checkpoints; use trainer.resume=auto or "
                           "a path such as runs/NAME/checkpoints/step-000100")
+    if not (path / "model" / "config.json").is_file():
+        raise ConfigError(f"trainer.resume={resume!r} is an incomplete checkpoint: it has trainer_state.pt but no "
+                          f"model/config.json{_others(path)}")
     return path
+
+
+def _others(path: Path) -> str:
+    """Where else to resume from, for an error about checkpoint ``path``."""
+    others = [p for p in list_checkpoints(Path(path).parent) if p.resolve() != Path(path).resolve()]
+    if not others:
+        return ""
+    return f"; resume from another checkpoint of the run instead: trainer.resume={others[-1]}"
 
 
 def check_resume_path(cfg: Config) -> None:
@@ -64,7 +76,8 @@ def resume_command(cfg: Config, run_path: Path) -> str:
                      shlex.quote(f"trainer.run_name={Path(run_path).name}"), "trainer.resume=auto"])
 
 
-# Keys that may differ between a run and its resumption without changing its trajectory.
+# Keys that may differ between a run and its resumption without changing its trajectory
+# (trainer.steps only under a constant LR: it is the length of a cosine or linear schedule).
 RESUME_MAY_CHANGE = {"trainer.resume", "trainer.steps", "trainer.run_name", "trainer.output_dir",
                      "trainer.save_every", "trainer.keep_last", "trainer.progress", "trainer.eval_after",
                      "trainer.save_final", "trainer.max_nonfinite_in_a_row", "trainer.tensorboard"}
@@ -79,6 +92,11 @@ def changed_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
             out += changed_keys(a, b, name + ".")
         elif a != b and name not in RESUME_MAY_CHANGE:
             out.append(name)
+    if not prefix:
+        ta, tb = saved.get("trainer") or {}, current.get("trainer") or {}
+        if (ta.get("steps") != tb.get("steps") and "trainer" in saved
+                and {ta.get("lr_schedule"), tb.get("lr_schedule")} - {"constant"}):
+            out = sorted(out + ["trainer.steps"])
     return out
 
 
@@ -119,6 +137,7 @@ class Checkpointer:
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "modules": module_states(c.modules),
+            "adapter": None if is_fsdp2(c.model) else adapter_state(c.model),  # LoRA: model/ is merged
             "history": list(self.result.history),
             "accuracy_before": self.result.accuracy_before,
             "nonfinite": self.guard.state_dict(),
@@ -157,20 +176,23 @@ class Checkpointer:
                 self.progress.write(f"trainer.resume={self.cfg.trainer.resume}: no complete checkpoint "
                                     f"in {self.run.path / 'checkpoints'}, starting from step 0")
                 # What a run that stopped before its first checkpoint logged is logged again from step 0.
-                for name in ("metrics.jsonl", "samples.jsonl"):
+                for name in ("metrics.jsonl", "samples.jsonl") if self.dist.is_main else ():
                     cut_log(self.run.path / name, -1)
                 if hasattr(self.run, "resume_at"):
                     self.run.resume_at(-1)
             return 0
-        c, st = self.c, load_state(path)
+        c = self.c
         try:
-            load_model_weights(c.model, path)
+            st = load_state(path)
+            load_model_weights(c.model, path, st)
             if is_fsdp2(c.model):  # a full optimizer state: each rank takes its shard
                 load_full_optimizer_state(c.model, c.optimizer, c.modules, st["optimizer"])
             elif uses_engine_state(self.dist):
                 load_engine_state(self.dist, path / "engine")
             else:
                 c.optimizer.load_state_dict(st["optimizer"])
+        except DamagedCheckpoint as exc:
+            raise ConfigError(f"checkpoint {path} is damaged or incomplete: {exc}{_others(path)}") from exc
         except (RuntimeError, ValueError, KeyError) as exc:
             why = " ".join(line.strip() for line in str(exc).splitlines()[:2])  # torch lists every tensor
             raise ConfigError(f"checkpoint {path} does not fit this run's model.path={self.cfg.model.path!r} "
@@ -194,8 +216,14 @@ class Checkpointer:
         if changed:
             self.progress.write(f"anabranch: warning: resuming with a config that differs from the checkpoint's in "
                                 f"{', '.join(changed)}: the run will not follow the trajectory it would have taken")
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        # The main process alone writes the run's logs (the others log nowhere): it alone cuts them.
+        for name in ("metrics.jsonl", "samples.jsonl") if self.dist.is_main else ():
             cut_log(self.run.path / name, step)
+        if self.dist.is_main:  # checkpoints of this run after `step` belong to the trajectory being replaced
+            stale = discard_after(self.run.path / "checkpoints", step)
+            if stale:
+                self.progress.write(f"anabranch: set aside {len(stale)} checkpoint(s) written after step {step} by the "
+                                    f"run this one replaces: {', '.join(p.name for p in stale)}")
         if hasattr(self.run, "resume_at"):
             self.run.resume_at(step)
         ranks = st.get("rng_ranks") or [st["rng"]]
