@@ -23,11 +23,18 @@ from anabranch.rewards.guard import RewardOutput
 from anabranch.rewards.registry import REWARDS
 from anabranch.rewards.sandbox import SandboxLimits, run_many
 
-_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+# A fenced block: its info line ("python", "py3 title=x", "text", or nothing), then its code.
+# One character class up to the newline: no two parts compete for the same text (linear time).
+_FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
+_LANGUAGE = re.compile(r"[\w+.-]*")
+_PYTHON_TAGS = ("", "python", "py", "python3", "py3")
 
 
 def extract_code(completion: str) -> str:
-    blocks = _FENCE.findall(completion or "")
+    """The last fenced block tagged as Python (or untagged), else the raw completion. Blocks in
+    other languages (an output shown as ```text) are skipped, not taken as the program."""
+    blocks = [code for info, code in _FENCE.findall(completion or "")
+              if _LANGUAGE.match(info.strip()).group(0).lower() in _PYTHON_TAGS]
     return blocks[-1] if blocks else (completion or "")
 
 
@@ -37,6 +44,16 @@ def build_program(prompt_code: str, completion: str, entry_point: str | None) ->
     if entry_point and re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE):
         return prompt_code + "\n\n" + code
     return prompt_code + code
+
+
+def _test_list(tests) -> list[str]:
+    """A row's tests as a list of snippets. A single string is one snippet: ``list()`` of it would
+    make every character a "test", and the blank and digit ones pass whatever the program does."""
+    if tests is None:
+        return []
+    if isinstance(tests, str):
+        return [tests]
+    return list(tests)
 
 
 @REWARDS.register("code_tests", correctness=True)
@@ -51,7 +68,7 @@ def code_tests_reward(prompts, completions, tests=None, test_setup=None, prompt_
     setup = test_setup or [""] * n
     pcode = prompt_code or [""] * n
     entry = entry_point or [None] * n
-    jobs = [(build_program(pcode[i], completions[i], entry[i]), list(tests[i]), setup[i] or "") for i in range(n)]
+    jobs = [(build_program(pcode[i], completions[i], entry[i]), _test_list(tests[i]), setup[i] or "") for i in range(n)]
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
     results = run_many(jobs, limits, max_workers=max_workers, require_namespaces=require_namespaces)
     values = [r.fraction if mode == "fraction" else float(r.all_passed) for r in results]

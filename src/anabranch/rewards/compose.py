@@ -81,7 +81,12 @@ def score_detailed(sources: list[RewardSource], prompts: list[str], completions:
     per_source: dict[str, list[float]] = {}
     metrics: dict[str, float] = {}
     total = [0.0] * len(completions)
+    seen: dict[str, int] = {}
     for src in sources:
+        # A source listed twice (same function, other params) is reported as "<name>#2", ...: the
+        # first keeps the plain name, which is what correctness_source()/accuracy look up.
+        seen[src.name] = seen.get(src.name, 0) + 1
+        key = src.name if seen[src.name] == 1 else f"{src.name}#{seen[src.name]}"
         settings = src.guard
         needed = src.meta.get("needs_fields", ())
         missing = [k for k in needed if k not in fields]
@@ -99,10 +104,10 @@ def score_detailed(sources: list[RewardSource], prompts: list[str], completions:
                                timeout=settings.timeout_s, isolation=isolation, strict=settings.strict,
                                log=src.failures)
             res_values, res_metrics, failed = res.values, res.metrics, res.failed
-        per_source[src.name] = res_values
-        metrics[f"reward/{src.name}/failures"] = metrics.get(f"reward/{src.name}/failures", 0.0) + float(failed)
-        for key, value in res_metrics.items():
-            metrics[f"reward/{src.name}/{key}"] = value
+        per_source[key] = res_values
+        metrics[f"reward/{key}/failures"] = float(failed)
+        for metric, value in res_metrics.items():
+            metrics[f"reward/{key}/{metric}"] = value
         total = [t + src.weight * v for t, v in zip(total, res_values)]
     return Scored(total, per_source, metrics)
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import re
 
-# "Answer: 42", "final answer is 42", "**Answer**: 42" — the rest of that line.
-_ANSWER_LINE = re.compile(r"(?i)\banswer\b[ \t]*(?:is\b[ \t]*:?|\**[ \t]*[:=])[ \t]*\**[ \t]*([^\n]*)")
+# "Answer: 42", "final answer is 42", "**Answer**: 42" — the lead-in only; the answer is what
+# follows the last lead-in on its line, up to the end of its sentence.
+_ANSWER_LEAD = re.compile(r"(?i)\banswer\b[ \t]*(?:is\b[ \t]*:?|\**[ \t]*[:=])[ \t]*\**[ \t]*")
+# The end of a sentence: "." or "?" then a space (not the point of "3.5"; not "!", a factorial
+# in "5! = 120").
+_SENTENCE_END = re.compile(r"[.?](?=\s)")
 # Integers, decimals, thousands separators, simple fractions: -1,234.5  3/4  .5
 _NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|\.\d+)")
 
@@ -22,11 +26,14 @@ def extract_boxed(text: str | None) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        # "\boxed 5" (no braces): the next token.
-        rest = text[start:].split(None, 2)
-        return rest[1].strip() if len(rest) > 1 else None
+    i = start + (6 if text.startswith("\\boxed", start) else 5)
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        # "\boxed 5" or "\boxed5" (no braces): the token right after it, not a later brace.
+        token = text[i:i + 200].split(None, 1)
+        token = token[0].rstrip(".,;:$") if token else ""
+        return token or None
     depth, j = 0, i
     while j < len(text):
         if text[j] == "{":
@@ -51,12 +58,25 @@ def extract_answer_tag(text: str | None) -> str | None:
 
 
 def extract_answer_line(text: str | None) -> str | None:
-    """What follows the last "Answer:" / "answer is" on its line, without trailing period."""
+    """What follows the last "Answer:" / "answer is" on its line, up to the end of that sentence.
+
+    "Final Answer: The final answer is $7$. I hope it is correct." gives "7" (the last lead-in,
+    not the first), and "The answer is 12. There were 5 left." gives "12", not the whole line.
+    """
     if not text:
         return None
-    found = [m.group(1).strip() for m in _ANSWER_LINE.finditer(text)]
-    found = [f.rstrip(".").strip(" *$") for f in found if f.strip(" .*$")]
-    return found[-1] if found else None
+    leads = list(_ANSWER_LEAD.finditer(text))
+    for k in range(len(leads) - 1, -1, -1):
+        # Up to the next lead-in, the end of the line and the end of the sentence: each character
+        # is looked at once, so this stays linear on "answer: answer: ...".
+        start, bound = leads[k].end(), leads[k + 1].start() if k + 1 < len(leads) else len(text)
+        newline = text.find("\n", start, bound)
+        rest = text[start:newline if newline >= 0 else bound]
+        stop = _SENTENCE_END.search(rest)
+        rest = (rest[:stop.start()] if stop else rest).strip().rstrip(".").strip(" *$")
+        if rest.strip(" .*$"):
+            return rest
+    return None
 
 
 def extract_last_number(text: str | None) -> str | None:

@@ -13,7 +13,11 @@ from functools import lru_cache
 
 from anabranch.rewards.registry import REWARDS
 
-THINK_ANSWER = r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>"
+# The answer must hold a non-space character: leading spaces, then that character, then the rest.
+# Unambiguous on purpose: "(?:...)*\S(?:...)*" could split the text at any character and took
+# quadratic time on a long answer with no closing tag (a truncated completion: 8,000 characters
+# took 0.8 s, 32,000 about 13 s).
+THINK_ANSWER = r"<think>(?:(?!</?think>).)*</think>\s*<answer>\s*(?!</?answer>)\S(?:(?!</?answer>).)*</answer>"
 
 
 @lru_cache(maxsize=32)

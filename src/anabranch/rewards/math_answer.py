@@ -13,6 +13,7 @@ error or a timeout inside math-verify counts as "not equivalent".
 from __future__ import annotations
 
 import logging
+import re
 from functools import lru_cache
 
 from anabranch.rewards.registry import REWARDS
@@ -38,11 +39,17 @@ def _warm_up() -> None:
     verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
 
 
+# A "$" that delimits math, not the escaped currency sign "\$" of answers such as "\$18.90".
+_MATH_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
 @lru_cache(maxsize=4096)
 def _parse_gold(answer: str):
+    """The gold answer parsed as math: a bare answer ("12", "\\frac{1}{2}", "\\$18.90") is read as
+    the inside of ``$...$``; one that already has ``\\boxed`` or ``$`` delimiters as it is."""
     from math_verify import parse
 
-    text = answer if "\\boxed" in answer or "$" in answer else f"${answer}$"
+    text = answer if "\\boxed" in answer or _MATH_DOLLAR.search(answer) else f"${answer}$"
     return parse(text, parsing_timeout=None)
 
 

@@ -52,7 +52,7 @@ class SandboxLimits:
     wall_s: float = 10.0        # wall clock for the whole run (includes interpreter start-up)
     cpu_s: int = 5              # CPU seconds (RLIMIT_CPU)
     memory_mb: int = 1024       # address space (RLIMIT_AS)
-    nproc: int = 64             # processes/threads (RLIMIT_NPROC; ignored by the kernel for root)
+    nproc: int = 64             # processes/threads it may add (RLIMIT_NPROC; ignored by the kernel for root)
     fsize_mb: int = 16          # largest file it may write (RLIMIT_FSIZE), its stdout included
     nofile: int = 64            # open file descriptors
     output_kb: int = 64         # stdout/stderr kept for the report
@@ -77,8 +77,36 @@ class SandboxResult:
         return self.total > 0 and self.passed == self.total
 
 
+def _user_tasks() -> int:
+    """Processes and threads the calling user runs now (what RLIMIT_NPROC counts), from /proc."""
+    uid, count = os.getuid(), 0
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:  # the process ended meanwhile
+                pass
+    return count
+
+
+def _nproc_limit(limits: SandboxLimits) -> int:
+    """RLIMIT_NPROC for a run: ``limits.nproc`` more tasks than the user has now.
+
+    The kernel counts every process and thread of the real user against it, the trainer's
+    included: a trainer with torch's thread pools holds more than 64 tasks, and a bare limit of 64
+    made ``unshare --fork`` fail (every program scored 0, "fork failed: Resource temporarily
+    unavailable") or, when it hit the probe, silently turned the namespaces off. Root is exempt."""
+    return limits.nproc + (_user_tasks() if os.getuid() != 0 else 0)
+
+
 def _set_limits(limits: SandboxLimits):
     libc = _libc()
+    nproc = _nproc_limit(limits)  # measured here, in the parent, before the fork
 
     def apply():
         if libc is not None:
@@ -87,7 +115,7 @@ def _set_limits(limits: SandboxLimits):
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         os.umask(0o077)
         for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mb * MB),
-                           (resource.RLIMIT_NPROC, limits.nproc), (resource.RLIMIT_FSIZE, limits.fsize_mb * MB),
+                           (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_FSIZE, limits.fsize_mb * MB),
                            (resource.RLIMIT_NOFILE, limits.nofile), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(res, (value, value))
     return apply
@@ -152,10 +180,11 @@ def _run(prefix: list[str], program: str, tests: list[str], setup: str, limits: 
                 _kill_group(proc)
         out = _tail(paths["out"], limits.output_kb)
         err = _tail(paths["err"], limits.output_kb)
+        reports = _report_lines(paths["out"], nonce)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(io_dir, ignore_errors=True)
-    return _parse(out, err, nonce, len(tests), timed_out)
+    return _parse(out, err, nonce, len(tests), timed_out, reports)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -174,10 +203,29 @@ def _tail(path: str, kb: int) -> str:
         return f.read().decode("utf-8", "replace")
 
 
-def _parse(out: str, err: str, nonce: str, total: int, timed_out: bool) -> SandboxResult:
+def _report_lines(path: str, nonce: str) -> list[str]:
+    """The harness's report lines ("<nonce> KIND arg") from the whole output file, not only its
+    kept tail: a program that prints more than ``output_kb`` must not hide the tests it passed.
+    A report may follow the program's own text on the same line (``print(x, end="")``), so the
+    nonce is looked for anywhere in the line. The file is bounded by RLIMIT_FSIZE."""
+    key = nonce.encode()
+    found = []
+    with open(path, "rb") as f:
+        for line in f:
+            at = line.find(key)
+            if at >= 0:
+                found.append(line[at:].decode("utf-8", "replace").rstrip("\r\n"))
+    return found
+
+
+def _parse(out: str, err: str, nonce: str, total: int, timed_out: bool,
+           reports: list[str] | None = None) -> SandboxResult:
     passed, started, done, error = set(), False, False, ""
-    for line in out.splitlines():
-        head, _, rest = line.partition(" ")
+    for line in (reports if reports is not None else out.splitlines()):
+        at = line.find(nonce)
+        if at < 0:
+            continue
+        head, _, rest = line[at:].partition(" ")
         if head != nonce:
             continue
         kind, _, arg = rest.partition(" ")
