@@ -5,6 +5,18 @@ from __future__ import annotations
 from anabranch.rewards.compose import RewardSource, score
 
 
+# A sample is correct when its correctness reward gives full credit: every test passed for
+# `code_tests` in fraction mode, reasoning-gym's full score (its partial credit for a near miss is
+# not a right answer); the 0/1 verifiers are unchanged. As pass@k counts in eval/runner.py, and as
+# DAPO's "0 < #correct < G" counts for dynamic sampling.
+CORRECT_THRESHOLD = 1.0
+
+
+def correct_flags(values, threshold: float = CORRECT_THRESHOLD) -> list[float]:
+    """1.0 for each value of at least ``threshold`` (full credit by default), else 0.0."""
+    return [float(v >= threshold) for v in values]
+
+
 def correctness_source(sources: list[RewardSource]) -> RewardSource | None:
     """The reward that says right/wrong (for accuracy), if any: the first marked as correctness."""
     from anabranch.rewards.registry import REWARDS
@@ -31,7 +43,10 @@ EVAL_BATCH_SIZE = 64  # prompts decoded together by greedy_accuracy
 
 
 def greedy_accuracy(backend, prompts: list[str], rows: list[dict], sources: list[RewardSource],
-                    max_new_tokens: int, batch_size: int = EVAL_BATCH_SIZE) -> dict:
+                    max_new_tokens: int, batch_size: int = EVAL_BATCH_SIZE,
+                    threshold: float = CORRECT_THRESHOLD) -> dict:
+    """``accuracy``: the fraction of problems whose correctness reward reaches ``threshold``
+    (``reward``, the mean total reward, where no source says right/wrong)."""
     completions = []
     for start in range(0, len(prompts), batch_size):
         ro = backend.generate(prompts[start:start + batch_size], 1, greedy=True, max_new_tokens=max_new_tokens)
@@ -39,8 +54,9 @@ def greedy_accuracy(backend, prompts: list[str], rows: list[dict], sources: list
     src = truth_source(sources, rows)
     total, per_source = score(sources if src is None else [src], prompts, completions, rows)
     values = per_source[src.name] if src is not None else total
+    measured = correct_flags(values, threshold) if src is not None else values
     return {
-        "accuracy" if src is not None else "reward": sum(values) / max(len(values), 1),
+        "accuracy" if src is not None else "reward": sum(measured) / max(len(measured), 1),
         "n": len(values),
         "completions": completions,
         "scores": values,

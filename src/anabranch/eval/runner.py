@@ -147,7 +147,8 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     entry = {"label": spec.label, "model": spec.path, **passk.sample_metrics(correct, answers, ks),
              "num_problems": len(rows)}
     if settings.greedy:
-        entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new)["accuracy"]
+        entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new,
+                                                   threshold=settings.correct_threshold)["accuracy"]
     div, high = diversity_of(completions, answers, correct, settings)
     entry["diversity"] = div
     entry["problems"] = [

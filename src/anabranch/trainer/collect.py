@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from anabranch.algorithms.overlong import overlong_penalty
-from anabranch.eval.accuracy import correctness_source
+from anabranch.eval.accuracy import correct_flags, correctness_source
 from anabranch.rewards import score_detailed
 from anabranch.rewards.token_stats import trainer_fields
 from anabranch.rollout.base import Rollout
@@ -61,11 +61,12 @@ def generate_scored(c, idx: list[int], cfg) -> ScoredBatch:
 
 def filter_signal(batch: ScoredBatch, sources, metric: str) -> torch.Tensor:
     """[B] what dynamic sampling compares within a group: the correctness reward's scores for
-    ``metric="accuracy"`` (the total reward where no source says right/wrong), else the total reward."""
+    ``metric="accuracy"`` as right (full credit) or wrong, DAPO's "0 < #correct < G" (the total
+    reward where no source says right/wrong), else the total reward."""
     src = correctness_source(sources) if metric == "accuracy" else None
     if src is None or src.name not in batch.per_source:
         return batch.rewards
-    return torch.tensor(batch.per_source[src.name], dtype=torch.float32)
+    return torch.tensor(correct_flags(batch.per_source[src.name]), dtype=torch.float32)
 
 
 def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> list[int]:

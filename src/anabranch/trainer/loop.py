@@ -12,7 +12,7 @@ import torch
 from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.overlong import filter_overlong
 from anabranch.config import Config
-from anabranch.eval.accuracy import correctness_source, greedy_accuracy
+from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
@@ -167,6 +167,7 @@ def rollout_metrics(rewards: torch.Tensor, per_source: dict, rollout, acc_src) -
     }
     for name, values in per_source.items():
         out[f"reward/{name}"] = sum(values) / max(len(values), 1)
-    if acc_src is not None:
-        out["accuracy"] = out[f"reward/{acc_src.name}"]
+    if acc_src is not None:  # the fraction of full-credit samples (eval/accuracy.py)
+        flags = correct_flags(per_source[acc_src.name])
+        out["accuracy"] = sum(flags) / max(len(flags), 1)
     return out
