@@ -52,7 +52,9 @@ def test_saved_hf_dataset_with_splits(tmp_path):
                                "test": datasets.Dataset.from_list(ROWS[:3])})
     dd.save_to_disk(str(tmp_path / "ds"))
     train, held = load_task(file_cfg(str(tmp_path / "ds"), eval_split="test"))
-    assert len(train) == 10 and len(held) == 2
+    # The test split repeats two training prompts: they are held out, so training loses them.
+    assert [r["answer"] for r in held] == ["1", "2"]
+    assert len(train) == 8 and {r["question"] for r in train}.isdisjoint({r["question"] for r in held})
     with pytest.raises(DataError, match="no split 'validation'"):
         load_task(file_cfg(str(tmp_path / "ds"), split="validation"))
 

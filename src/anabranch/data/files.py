@@ -21,38 +21,92 @@ class DataError(ConfigError):
     """Unusable data, reported before training starts."""
 
 
-def load_rows(path: str, split: str = "train", skip_bad: bool = False) -> list[dict]:
-    """Read all rows of ``path`` as plain dicts."""
+# The positional arguments of every reward function ``fn(prompts, completions, **row_fields)``.
+RESERVED_COLUMNS = frozenset({"prompts", "completions"})
+
+
+def load_rows(path: str, split: str = "train", skip_bad: bool = False, split_key: str = "task.split") -> list[dict]:
+    """Read all rows of ``path`` as plain dicts. ``split_key`` names the config key that chose
+    ``split`` (``task.split`` or ``task.eval_split``) in error messages."""
     if path.startswith("hf:"):
-        return _load_hub(path[3:], split)
+        return _load_hub(path[3:], split, split_key)
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"dataset file not found: {p}")
+        raise DataError(f"dataset file not found: {p} (task.path)")
     if p.is_dir():
-        return _load_saved_dataset(p, split)
+        return _load_saved_dataset(p, split, split_key)
     if split != "train":  # a single file is one split: another name would silently read the same rows
-        raise DataError(f"dataset file {p} is a single file, which has no split {split!r}: leave task.split and "
-                        "task.eval_split unset (the last task.eval_size rows are then held out), or give a saved "
-                        "dataset folder or hf:ID with that split")
+        raise DataError(f"dataset file {p} is a single file, which has no split {split!r} ({split_key}): leave "
+                        "task.split and task.eval_split unset (the last task.eval_size rows are then held out), or "
+                        "give a saved dataset folder or hf:ID with that split")
     suffix = p.suffix.lower()
-    if suffix == ".jsonl":
-        return _load_jsonl(p, skip_bad)
+    readers = {".jsonl": _load_jsonl, ".json": _load_json, ".csv": _load_csv, ".parquet": _load_parquet}
+    if suffix not in readers:
+        raise DataError(f"dataset file {p} (task.path) has an unsupported extension {suffix!r}; use one of "
+                        f"{sorted(readers)}, or a folder written by datasets' save_to_disk")
+    return readers[suffix](p, skip_bad)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The innermost cause's message on one line (``datasets`` wraps the parser's error in a generic one)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _load_json(p: Path, skip_bad: bool) -> list[dict]:
+    """A JSON array of row objects (read with ``json``, so that numbers and strings keep their
+    types: Arrow would turn ``1`` into ``1.0`` in a column that also holds ``2.5``), or JSON lines."""
+    try:
+        data = json.loads(p.read_text(encoding="utf-8-sig", errors="replace"))
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":  # several JSON values, one a line: JSON lines with a .json name
+            return _load_jsonl(p, skip_bad)
+        raise DataError(f"dataset file {p} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})")
+    if isinstance(data, dict):
+        data = [data]  # a single row
+    if not isinstance(data, list):
+        raise DataError(f"dataset file {p} holds a JSON {type(data).__name__}; give an array of row objects")
+    rows, bad = [], []
+    for number, row in enumerate(data, start=1):
+        if isinstance(row, dict):
+            rows.append(row)
+        elif not skip_bad:
+            raise DataError(f"dataset file {p} row {number} is a JSON {type(row).__name__}, not an object; fix the "
+                            "row, or set task.skip_bad_rows=true to skip malformed rows")
+        else:
+            bad.append(number)
+    _report_skipped(str(p), bad, "row")
+    return rows
+
+
+def _load_csv(p: Path, skip_bad: bool) -> list[dict]:
+    """Every cell as the text in the file: no number parsing ("007" stays "007", and one empty cell
+    does not turn a column of integers into floats, "1" into "1.0") and no missing-value guessing
+    ("None", "NA" or "null" are answers like any other; an empty cell is "")."""
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(p, dtype=str, keep_default_na=False, na_filter=False, encoding="utf-8-sig")
+    except Exception as exc:
+        raise DataError(f"cannot read dataset file {p}: {_one_line(exc)}") from exc
+    return df.to_dict(orient="records")
+
+
+def _load_parquet(p: Path, skip_bad: bool) -> list[dict]:
     import datasets
 
-    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-    if suffix not in builders:
-        raise DataError(f"dataset file {p} has an unsupported extension {suffix!r}; use one of {sorted(builders)}")
     try:
-        ds = datasets.load_dataset(builders[suffix], data_files=str(p), split="train")
+        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
     except Exception as exc:  # datasets raises many types for malformed files
-        raise DataError(f"cannot read dataset file {p}: {exc}") from exc
+        raise DataError(f"cannot read dataset file {p}: {_one_line(exc)}") from exc
     return [dict(r) for r in ds]
 
 
 def _load_jsonl(p: Path, skip_bad: bool) -> list[dict]:
     # Read line by line (not with `datasets`) so that a bad line is reported by its number.
     rows, bad = [], []
-    with open(p, encoding="utf-8", errors="replace") as f:
+    with open(p, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -78,27 +132,33 @@ def _report_skipped(source: str, bad: list[int], unit: str) -> None:
         log.warning("skipped %d malformed rows of %s (task.skip_bad_rows=true); %ss: %s", len(bad), source, unit, shown)
 
 
-def _load_saved_dataset(p: Path, split: str) -> list[dict]:
+def _load_saved_dataset(p: Path, split: str, split_key: str) -> list[dict]:
     import datasets
 
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:
-        raise DataError(f"{p} is a folder but not a dataset saved with save_to_disk: {exc}") from exc
+        raise DataError(f"{p} (task.path) is a folder but not a dataset saved with save_to_disk ({_one_line(exc)}); "
+                        f"for a folder of data files (a Hub dataset downloaded as files) use task.path=hf:{p}") from exc
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataError(f"dataset {p} has no split {split!r}; splits: {list(ds)}")
+            raise DataError(f"dataset {p} has no split {split!r} ({split_key}); splits: {list(ds)}")
         ds = ds[split]
+    elif split != "train":  # one saved Dataset is one split, like a single file
+        raise DataError(f"dataset {p} is a single saved Dataset, not a DatasetDict, so it has no split {split!r} "
+                        f"({split_key}): leave task.split and task.eval_split unset (the last task.eval_size rows are "
+                        "then held out), or save a DatasetDict with that split")
     return [dict(r) for r in ds]
 
 
-def _load_hub(name: str, split: str) -> list[dict]:
+def _load_hub(name: str, split: str, split_key: str) -> list[dict]:
     import datasets
 
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as exc:
-        raise DataError(f"cannot load Hugging Face dataset {name!r} split {split!r}: {exc}") from exc
+        raise DataError(f"cannot load Hugging Face dataset {name!r} (task.path) split {split!r} ({split_key}): "
+                        f"{_one_line(exc)}") from exc
     return [dict(r) for r in ds]
 
 
@@ -117,11 +177,18 @@ def check_columns(rows: list[dict], source: str, prompt_column: str, answer_colu
                                 "task.skip_bad_rows=true to skip malformed rows")
             bad.append(i)
             continue
-        item = dict(row)
+        # Reward functions are called as fn(prompts, completions, **row_fields): a column with one of
+        # those names would make every call fail ("got multiple values for argument 'prompts'").
+        item = {k: v for k, v in row.items() if k not in RESERVED_COLUMNS}
         item["question"] = row[prompt_column]
         item["answer"] = row[answer_column] if row[answer_column] is None else str(row[answer_column])
         out.append(item)
     _report_skipped(source, bad, "row")
+    first = next((r for r in rows if isinstance(r, dict)), {})
+    dropped = sorted(RESERVED_COLUMNS.intersection(first) - {prompt_column, answer_column})
+    if dropped:
+        log.warning("dataset %s: column(s) %s are left out of the rows given to reward functions, whose "
+                    "positional arguments have those names; rename them to pass them", source, dropped)
     if not out:
         raise DataError(f"dataset {source} has no usable rows ({len(bad)} malformed rows skipped)")
     return out

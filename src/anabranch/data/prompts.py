@@ -8,8 +8,12 @@ from anabranch.config import ConfigError, TaskConfig
 def build_prompt(row: dict, cfg: TaskConfig, tokenizer) -> str:
     """The question (plus instruction), wrapped in the tokenizer's chat template when enabled."""
     question = row["question"]
-    if isinstance(question, list):  # already chat messages
-        messages = list(question)
+    if isinstance(question, list):  # already chat messages: the instruction goes after the last user turn
+        messages = [dict(m) for m in question]
+        if cfg.instruction:
+            last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+            m = messages[last_user]
+            m["content"] = f"{m['content']} {cfg.instruction}".strip()
     else:
         text = f"{question} {cfg.instruction}" if cfg.instruction else str(question)
         messages = [{"role": "user", "content": text.strip()}]
@@ -22,4 +26,17 @@ def build_prompt(row: dict, cfg: TaskConfig, tokenizer) -> str:
             "the tokenizer has no chat template; set task.chat_template=false to use plain prompts, "
             "or point model.tokenizer at a tokenizer that has one"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 errors, raise_exception() in the template ("System role not supported")
+        roles = [m.get("role") for m in messages]
+        raise ConfigError(
+            f"the tokenizer's chat template failed on messages with roles {roles}: "
+            f"{' '.join(str(exc).split()) or type(exc).__name__}; "
+            + ("unset task.system_prompt (or put it in task.instruction), " if cfg.system_prompt else "")
+            + "set task.chat_template=false to use plain prompts, or point model.tokenizer at another tokenizer"
+        ) from exc
+    if not isinstance(text, str):
+        raise ConfigError(f"the tokenizer's chat template gave a {type(text).__name__}, not text "
+                          "(task.chat_template); set task.chat_template=false to use plain prompts")
+    return text

@@ -1,11 +1,13 @@
 """Built-in tasks and the user's own datasets, as lists of ``{"question", "answer", ...}`` rows.
 
 Procedural tasks come from reasoning-gym: the training split and the held-out split are drawn
-with different seeds, and held-out questions that also occur in training are removed.
+with different seeds. For every task, training rows whose prompt is also a held-out prompt are
+removed, so that the held-out accuracy measures problems never trained on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 from anabranch.config import ConfigError, TaskConfig
@@ -58,7 +60,7 @@ def reasoning_gym_task(cfg: TaskConfig, name: str) -> tuple[list[dict], list[dic
         # so that the held-out accuracy measures problems never trained on.
         held = reasoning_gym.create_dataset(name, size=max(4 * cfg.eval_size, 1), seed=cfg.seed + 10_007, **params)
         train = reasoning_gym.create_dataset(name, size=cfg.train_size, seed=cfg.seed, **params)
-    except TypeError as exc:
+    except (TypeError, ValueError, AssertionError) as exc:  # reasoning-gym validates its configs with assert
         raise ConfigError(f"task.params {cfg.params} do not fit reasoning-gym task {name!r}: {exc}") from exc
     eval_rows, seen = [], set()
     for entry in held:
@@ -74,7 +76,10 @@ def reasoning_gym_task(cfg: TaskConfig, name: str) -> tuple[list[dict], list[dic
 
 def _rg_row(dataset, entry: dict) -> dict:
     # The reasoning-gym entry is kept so that its own scorer can be used as a reward.
-    return {"question": entry["question"], "answer": str(entry["answer"]), "task": "reasoning_gym",
+    # Some tasks have no single answer (None: only their scorer can judge); keep None rather than the
+    # text "None", which a math reward would take as the true answer.
+    answer = entry["answer"] if entry["answer"] is None else str(entry["answer"])
+    return {"question": entry["question"], "answer": answer, "task": "reasoning_gym",
             "rg_entry": entry, "rg_dataset": dataset}
 
 
@@ -84,18 +89,39 @@ def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     skip = cfg.skip_bad_rows
     rows = check_columns(load_rows(cfg.path, cfg.split, skip), cfg.path, cfg.prompt_column, cfg.answer_column, skip)
     if cfg.eval_split:
-        held = check_columns(load_rows(cfg.path, cfg.eval_split, skip), f"{cfg.path}[{cfg.eval_split}]",
-                             cfg.prompt_column, cfg.answer_column, skip)
-        return rows[: cfg.train_size], held[: cfg.eval_size]
+        held = check_columns(load_rows(cfg.path, cfg.eval_split, skip, split_key="task.eval_split"),
+                             f"{cfg.path}[{cfg.eval_split}]", cfg.prompt_column, cfg.answer_column, skip)
+        held = held[: cfg.eval_size]
+        train = _without_held_out(rows, held, cfg.path)
+        if not train:
+            raise DataError(f"dataset {cfg.path}: every training prompt also occurs in the held-out split "
+                            f"{cfg.eval_split!r} (task.eval_split)")
+        return train[: cfg.train_size], held
     # No held-out split given: keep the last eval_size rows out of training.
     n_eval = min(cfg.eval_size, len(rows) // 2)
     if n_eval < cfg.eval_size:
         log.warning("task.eval_size=%d: %s has %d rows, so only %d are held out (at most half the rows)",
                     cfg.eval_size, cfg.path, len(rows), n_eval)
     train, held = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+    train = _without_held_out(train, held, cfg.path)
     if not train:
-        raise DataError(f"dataset {cfg.path} has too few rows ({len(rows)}) to train on")
+        raise DataError(f"dataset {cfg.path} has too few distinct rows ({len(rows)}) to train on after holding "
+                        f"out task.eval_size={n_eval}")
     return train[: cfg.train_size], held
+
+
+def _prompt_key(question) -> str:
+    return question if isinstance(question, str) else json.dumps(question, sort_keys=True, default=str)
+
+
+def _without_held_out(train: list[dict], held: list[dict], source: str) -> list[dict]:
+    """``train`` less the rows whose prompt is also a held-out prompt (a dataset with duplicate
+    prompts would otherwise train on held-out problems), as for the built-in tasks."""
+    held_keys = {_prompt_key(r["question"]) for r in held}
+    kept = [r for r in train if _prompt_key(r["question"]) not in held_keys]
+    if len(kept) < len(train):
+        log.warning("%s: removed %d training rows whose prompt is also held out", source, len(train) - len(kept))
+    return kept
 
 
 __all__ = ["TASKS", "load_task", "DataError"]
