@@ -5,6 +5,21 @@ from __future__ import annotations
 from anabranch.config import ConfigError, TaskConfig
 
 
+def bos_prefix(tokenizer) -> str:
+    """The BOS token's text when the tokenizer starts every encoded text with it (Llama, Gemma, ...),
+    else "". Prompts are tokenized later without special tokens (a chat template writes its own BOS,
+    which they would double), so a plain prompt carries the BOS in its text, as the model expects."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    try:
+        with_special = tokenizer("x", add_special_tokens=True)["input_ids"]
+        plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    except Exception:  # a tokenizer that cannot encode outside a template: leave the text as it is
+        return ""
+    return bos if with_special[:1] == [bos_id] and plain[:1] != [bos_id] else ""
+
+
 def build_prompt(row: dict, cfg: TaskConfig, tokenizer) -> str:
     """The question (plus instruction), wrapped in the tokenizer's chat template when enabled."""
     question = row["question"]
@@ -20,7 +35,9 @@ def build_prompt(row: dict, cfg: TaskConfig, tokenizer) -> str:
     if cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
     if not cfg.chat_template:
-        return "\n".join(m["content"] for m in messages) + "\n"
+        text = "\n".join(m["content"] for m in messages) + "\n"
+        bos = bos_prefix(tokenizer)
+        return text if text.startswith(bos) else bos + text
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(
             "the tokenizer has no chat template; set task.chat_template=false to use plain prompts, "

@@ -75,8 +75,8 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if device.type == "cpu" and cfg.trainer.keep_freed_host_memory:
         keep_freed_host_memory()
 
+    train_rows, eval_rows = load_task(cfg.task)  # first: a data error is reported before any model file is read
     tokenizer = load_tokenizer(cfg.model)
-    train_rows, eval_rows = load_task(cfg.task)
     train_prompts = [build_prompt(r, cfg.task, tokenizer) for r in train_rows]
     eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
