@@ -88,7 +88,7 @@ def run(args) -> int:
             from anabranch.eval.report import write_report
 
             print(f"report: {write_report(args.runs, args.out, args.title)}")
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, OSError, ValueError) as exc:  # OSError: e.g. an output path that cannot be written
         print(f"anabranch {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

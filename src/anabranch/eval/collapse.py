@@ -9,6 +9,7 @@ the collapse step and the current step is where the fall was seen.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -21,11 +22,18 @@ def model_collapse_step(steps: list[int], accuracy: list[float], margin: float) 
     for step, acc in zip(steps, accuracy):
         if acc > best:
             best_step, best = step, acc
-        elif acc <= best - margin:
+        elif _fell_by(best, acc, margin):
             return {"collapse_step": best_step, "peak_accuracy": best, "fell_at_step": step,
                     "accuracy_then": acc, "margin": margin}
     return {"collapse_step": None, "peak_accuracy": None if best_step is None else best,
             "peak_step": best_step, "margin": margin}
+
+
+def _fell_by(best: float, acc: float, margin: float) -> bool:
+    """``acc <= best − margin``, counting a drop of exactly ``margin`` in spite of rounding: with
+    margin 0.1, 0.3 → 0.2 is a fall of 0.1, but 0.3 − 0.1 = 0.19999999999999998 < 0.2 in floats."""
+    drop = best - acc
+    return drop >= margin or math.isclose(drop, margin, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def eval_history(metrics_path: str | Path, key: str = "eval/accuracy") -> tuple[list[int], list[float]]:

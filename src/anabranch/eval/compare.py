@@ -48,7 +48,10 @@ def run_compare(algorithms: list[str], config_file: str | None, overrides: list[
         print(f"== {algo} ==")
         result = train(cfg)
         run_dirs.append(Path(result.run_dir))
-        if eval_settings is not None and result.final_model_dir is not None:
+        if eval_settings is not None and result.final_model_dir is None:
+            print(f"{algo}: no final model (trainer.save_final=false), so no pass@k evaluation; "
+                  f"evaluate a checkpoint with `anabranch eval {result.run_dir}/checkpoints/step-NNNNNN`")
+        elif eval_settings is not None:
             from anabranch.eval.runner import run_eval
 
             run_eval([str(result.run_dir)], config_file, list(overrides), eval_settings, Path(result.run_dir) / "eval")

@@ -3,7 +3,10 @@ and a 2-D PCA projection for maps.
 
 - distinct answers: the number of different final answers among a problem's samples.
 - distinct-n (Li et al. 2016, "A Diversity-Promoting Objective Function for Neural Conversation
-  Models"): unique n-grams / total n-grams over all the completions (whitespace tokens).
+  Models"): unique n-grams / total n-grams over all the completions (whitespace tokens). Li et
+  al. divide by the number of generated tokens instead; the two agree for n = 1, and for n ≥ 2
+  this (the common implementation) divides by the n-gram count, smaller by n − 1 per
+  completion. A problem whose completions are all shorter than n has no n-grams: distinct-n 0.
 - embedding diversity: mean pairwise cosine distance 1 − cos(e_i, e_j) over pairs i < j of
   sentence embeddings (see :mod:`anabranch.eval.embedding`).
 """

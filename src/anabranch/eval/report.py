@@ -7,7 +7,9 @@ run's ``eval_passk.json``, written by ``anabranch eval RUN_DIR``), and the fit o
 reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`; "–" and a "no fit" legend
 when a run has fewer than 3 steps or a constant reward). The pass@k numbers are labelled with the n
 and problem count of the evaluation they came from. A plot whose data is
-missing is replaced by an image saying what is missing and how to produce it.
+missing is replaced by an image saying what is missing and how to produce it. A run that stopped
+before its end (no ``summary.json``) shows the last step it logged, marked "unfinished", and the
+accuracy it logged at step 0; a last metrics row cut short by the stop is left out.
 """
 
 from __future__ import annotations
@@ -30,17 +32,24 @@ def read_run(run_dir: str | Path) -> dict:
     if not metrics.is_file():
         raise FileNotFoundError(f"{run} is not a run directory: it has no metrics.jsonl")
     rows = []
-    for i, line in enumerate(metrics.read_text().splitlines(), 1):
+    text = metrics.read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
+                if i == len(lines) and not text.endswith("\n"):
+                    # The last row of a run killed while writing it: report what was logged before.
+                    print(f"anabranch report: {metrics} ends in a partial line (a run stopped while "
+                          "writing it); it is left out")
+                    continue
                 raise ValueError(f"{metrics} line {i} is not JSON: {exc}") from exc
     data = {"label": run.name, "path": str(run), "rows": rows, "summary": {}, "evals": [], "algorithm": ""}
     if (run / "summary.json").is_file():
-        data["summary"] = json.loads((run / "summary.json").read_text())
+        data["summary"] = _load_json(run / "summary.json") or {}
     if (run / "eval_passk.json").is_file():
-        saved = json.loads((run / "eval_passk.json").read_text())
+        saved = _load_json(run / "eval_passk.json") or {}
         # Each `anabranch eval RUN_DIR` replaces the file, so the sample size it used travels with
         # the numbers: older files only have it in "settings".
         n = (saved.get("settings") or {}).get("n")
@@ -51,6 +60,13 @@ def read_run(run_dir: str | Path) -> dict:
         cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
         data["algorithm"] = (cfg.get("algorithm") or {}).get("name", "")
     return data
+
+
+def _load_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:  # e.g. cut short when the run was killed
+        raise ValueError(f"{path} is not valid JSON ({exc}); move it aside to report the run without it") from None
 
 
 def series(run: dict, key: str) -> tuple[list, list]:
@@ -81,7 +97,8 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
     missing_eval = "no eval_passk.json in the run directories: run `anabranch eval RUN_DIR`"
     if evals:
         basis = "; ".join(f"{k}: {eval_basis(e)}" for k, e in evals.items())
-        out["passk"] = (plots.plot_passk({k: e["pass@k"] for k, e in evals.items()}, folder / "passk.png"),
+        curves = {k: e.get("pass@k") or {} for k, e in evals.items()}
+        out["passk"] = (plots.plot_passk(curves, folder / "passk.png"),
                         f"pass@k on held-out problems (from eval_passk.json, the latest `anabranch eval`: {basis})")
         bars = {k: {m: v for m, v in e.get("diversity", {}).items() if isinstance(v, (int, float))}
                 for k, e in evals.items()}
@@ -153,10 +170,19 @@ def summary_table(runs: list[dict]) -> str:
         pk = ev.get("pass@k", {})
         kmax = max(pk, key=int) if pk else None
         collapse = (s.get("model_collapse") or {}).get("collapse_step")
-        cells = [r["label"], r["algorithm"], s.get("steps"), s.get("accuracy_before"), s.get("accuracy_after"),
+        steps = s.get("steps")
+        if steps is None:  # no summary.json: the run stopped or failed before its end
+            logged = [row["step"] for row in r["rows"] if isinstance(row.get("step"), int)]
+            steps = f"{max(logged)} (unfinished)" if logged else None
+        before = s.get("accuracy_before")
+        if before is None and not s:  # logged at step 0 before training, even by a run that then failed
+            before = next((row["eval/accuracy"] for row in r["rows"] if row.get("step") == 0
+                           and isinstance(row.get("eval/accuracy"), (int, float))), None)
+        cells = [r["label"], r["algorithm"], steps, before, s.get("accuracy_after"),
                  rewards[-1] if rewards else None, collapse,
                  fit.a if fit else None, fit.b if fit else None, fit.r2 if fit else None,
-                 ev.get("greedy_accuracy"), pk.get("1"), pk.get(kmax) if kmax else None,
+                 # pass@1 = c/n = mean@n, also when --k left 1 out
+                 ev.get("greedy_accuracy"), pk.get("1", ev.get("mean@n")), pk.get(kmax) if kmax else None,
                  eval_basis(ev) if ev else None]
         lines.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(lines) + "</table>"
@@ -177,6 +203,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']}#{i + 1}"
     out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; name the HTML file to write, e.g. {out / 'report.html'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         figs = make_plots(runs, Path(tmp))
