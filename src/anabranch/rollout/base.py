@@ -1,9 +1,16 @@
 """What a rollout backend returns, and the registry of backends.
 
 A backend is built as ``ROLLOUT_BACKENDS[name](model, tokenizer, rollout_cfg)`` and offers
-``generate(prompts, n, greedy=False, max_new_tokens=None) -> Rollout`` and
+``generate(prompts, n, greedy=False, max_new_tokens=None, seed=None) -> Rollout`` and
 ``sync_weights(model)`` (called after each optimizer step; a no-op when the backend samples
-from the training model itself).
+from the training model itself). ``seed``: the same call with the same seed and weights gives the
+same tokens (None: the process's generators, whose state the trainer seeds).
+
+Both backends return the same layout: ``n`` adjacent rows per prompt (``group_index`` 0,0,..,1,1,..),
+prompts left-padded, responses right-padded with the tokenizer's pad id (which may equal EOS, as
+SmolLM2's does: only ``response_mask`` tells them apart), the mask covering the generated tokens
+through the first EOS inclusive (the loss trains the model to stop), and ``completions`` the decoded
+masked tokens without special tokens.
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
-"""Rollouts with ``transformers``' ``generate`` on the training model itself."""
+"""Rollouts with ``transformers``' ``generate`` on the training model itself.
+
+Prompts are left-padded whatever the tokenizer's ``padding_side`` (every response starts at the same
+column). ``seed`` makes a call reproducible: it seeds torch's generators (forked for the call, so the
+caller's are left as they were), which ``generate`` draws every sample from.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -18,6 +25,41 @@ def eos_token_ids(model, tokenizer) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+# Settings a model's generation_config.json may carry (Qwen2.5-Instruct's: repetition_penalty=1.1,
+# top_k=20, ...) that ``generate`` would otherwise apply on top of rollout.*: the trainer's log-probs and
+# the vLLM backend know nothing of them, so the samples would come from another policy. Given here
+# explicitly (``generate``'s own arguments win over the model's defaults), they change nothing.
+_NEUTRAL_GENERATION = dict(
+    num_beams=1, num_return_sequences=1, repetition_penalty=None, encoder_repetition_penalty=None,
+    no_repeat_ngram_size=None, encoder_no_repeat_ngram_size=None, bad_words_ids=None, sequence_bias=None,
+    suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+    exponential_decay_length_penalty=None, guidance_scale=None, min_length=0, min_p=None, typical_p=None,
+    top_h=None, epsilon_cutoff=None, eta_cutoff=None, watermarking_config=None, stop_strings=None,
+    diversity_penalty=None, renormalize_logits=False, remove_invalid_values=False,
+)
+
+
+def _neutral_generation_kwargs() -> dict:
+    """:data:`_NEUTRAL_GENERATION`, restricted to the fields this transformers' GenerationConfig has
+    (an unknown keyword would be passed on to the model's forward)."""
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig()
+    return {k: v for k, v in _NEUTRAL_GENERATION.items() if hasattr(defaults, k)}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Seed torch's generators (CPU, and ``device``'s when it is a GPU) for the block, then put the
+    caller's states back; nothing changes when ``seed`` is None."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -38,7 +80,8 @@ class HFGenerateBackend:
                  max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
         tok = self.tokenizer
         max_new = max_new_tokens or self.cfg.max_new_tokens
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        # Left padding whatever the tokenizer's padding_side: generate appends after the last column.
+        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         device = next(self.model.parameters()).device
         prompt_ids = enc["input_ids"].repeat_interleave(n, dim=0)
         prompt_mask = enc["attention_mask"].repeat_interleave(n, dim=0)
@@ -46,7 +89,7 @@ class HFGenerateBackend:
         chunk = self.cfg.generation_batch_size or prompt_ids.shape[0]
         sample = not greedy and self.cfg.temperature > 0
         kwargs = dict(
-            do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
+            **_neutral_generation_kwargs(), do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
             eos_token_id=self.eos_ids, use_cache=True, min_new_tokens=min(self.cfg.min_new_tokens, max_new) or None,
         )
         if getattr(self, "synced_gpus", False):  # set by the trainer for FSDP / ZeRO-3 (sharded weights)
@@ -57,19 +100,28 @@ class HFGenerateBackend:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         was_training = self.model.training
         self.model.eval()
-        pieces = []
         try:
-            for start in range(0, prompt_ids.shape[0], chunk):
-                ids = prompt_ids[start:start + chunk].to(device)
-                mask = prompt_mask[start:start + chunk].to(device)
-                # The n samples of a prompt share its prefill (a KV cache computed once per prompt);
-                # not under synced_gpus, where every rank must run the same forwards.
-                cache = None if kwargs.get("synced_gpus") or not self.share_prompt_prefix \
-                    else shared_prompt_cache(self.model, ids, mask)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
-                pieces.append(out[:, ids.shape[1]:].cpu())
+            with _seeded(seed, device):
+                pieces = self._generate_chunks(prompt_ids, prompt_mask, chunk, device, kwargs)
         finally:
             self.model.train(was_training)
+        return self._rollout(pieces, prompt_ids, prompt_mask, group_index, prompts)
+
+    def _generate_chunks(self, prompt_ids, prompt_mask, chunk, device, kwargs) -> list[torch.Tensor]:
+        pieces = []
+        for start in range(0, prompt_ids.shape[0], chunk):
+            ids = prompt_ids[start:start + chunk].to(device)
+            mask = prompt_mask[start:start + chunk].to(device)
+            # The n samples of a prompt share its prefill (a KV cache computed once per prompt);
+            # not under synced_gpus, where every rank must run the same forwards.
+            cache = None if kwargs.get("synced_gpus") or not self.share_prompt_prefix \
+                else shared_prompt_cache(self.model, ids, mask)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
+            pieces.append(out[:, ids.shape[1]:].cpu())
+        return pieces
+
+    def _rollout(self, pieces, prompt_ids, prompt_mask, group_index, prompts) -> Rollout:
+        tok = self.tokenizer
         width = max(p.shape[1] for p in pieces)
         pad = tok.pad_token_id
         response_ids = torch.cat(

@@ -7,7 +7,8 @@ A fast inference engine samples from π_sampler, which differs slightly from the
     mismatch/kl       = mean_t Δ_t                    (k1 estimate of KL(π_sampler ‖ π_θ))
     mismatch/abs_mean = mean_t |Δ_t|
 
-and optionally corrected with the truncated importance weight of Yao et al. (2025), "Your Efficient
+over the tokens of ``mask`` only (the response tokens the loss covers, EOS included), and optionally
+corrected with the truncated importance weight of Yao et al. (2025), "Your Efficient
 RL Framework Secretly Brings You Off-Policy RL Training":
 
     w_t = min(π_θ_old(y_t) / π_sampler(y_t), C)
@@ -15,6 +16,13 @@ RL Framework Secretly Brings You Off-Policy RL Training":
 which multiplies each token's policy-gradient term. For the objectives here, whose per-token loss
 is linear in the advantage with a non-negative factor (PG, PPO-clip), scaling the advantage by the
 detached ``w_t`` is the same as scaling the token's loss, so the correction is applied that way.
+
+π_sampler is the distribution the engine drew from (vLLM's ``processed_logprobs``: after the
+temperature, top-k / top-p renormalization and the min-tokens EOS mask), π_θ the trainer's at the
+same temperature without those filters. With the defaults (top_k=0, top_p=1, min_new_tokens=0)
+they are the same policy and Δ is numerical noise; with top-k / top-p, Δ_t = −log(kept mass) ≥ 0 is
+added on every token (tests/test_rollout_vllm_contract.py), so ``mismatch/kl`` grows and TIS weights
+fall below 1 by that much.
 """
 
 from __future__ import annotations

@@ -8,9 +8,19 @@ computed. The ``n`` samples of a prompt are one request with ``SamplingParams(n=
 caching is on, so the full KV blocks of the prompt are prefilled once per prompt, not once per sample
 (on CPU the blocks are 32 tokens, see ``KV_BLOCK_TOKENS``; on a GPU vLLM's 16).
 
-The engine's log-probabilities of the sampled tokens (after temperature, ``processed_logprobs``)
-are returned as ``Rollout.sample_log_probs``; the trainer reports their mismatch with its own and
-can correct for it (``algorithm.tis_cap``, see :mod:`anabranch.rollout.importance`).
+The engine's log-probabilities of the sampled tokens are returned as ``Rollout.sample_log_probs``;
+the trainer reports their mismatch with its own and can correct for it (``algorithm.tis_cap``, see
+:mod:`anabranch.rollout.importance`). They are vLLM's ``processed_logprobs``: of the distribution the
+token was drawn from, after the temperature, after ``rollout.top_k`` / ``rollout.top_p`` masking and
+renormalization, and with EOS masked before ``rollout.min_new_tokens``. The trainer's log-probs are
+of the temperature-scaled distribution only, so they agree where top-k / top-p / min-tokens change
+nothing (the defaults); with ``top_p < 1`` or ``top_k > 0`` every sampled token's log-prob is larger
+by ``−log`` (the kept probability mass), which ``mismatch/kl`` then reports. Greedy calls return the
+log-probs at temperature 1.
+
+Building the engine leaves the caller's random generators (``random``, NumPy, torch) as they were:
+vLLM seeds them all with its own seed while it starts, which would otherwise replace
+``trainer.seed`` for everything drawn afterwards, the CPU sampler's draws included.
 
 On a GPU the engine holds its weights in the trainer's autocast precision (``rollout.vllm_dtype=auto``:
 bf16 under a bf16 launch, although the trainer keeps fp32 master weights) and replays CUDA graphs of
@@ -188,6 +198,57 @@ def engine_args(model, path: str, cfg: RolloutConfig, mixed_precision: str = "no
     return kwargs
 
 
+# vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py, _MAX_TEMP).
+VLLM_MIN_TEMPERATURE = 0.01
+
+
+@contextlib.contextmanager
+def _keep_global_rng():
+    """Restore the process's ``random``, NumPy and torch (CPU and initialized CUDA) generators on exit:
+    vLLM's engine start calls ``set_random_seed(seed)`` on them in this process."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def _tied_embeddings(model) -> tuple[str, str, bool] | None:
+    """For a model that ties its LM head to its input embeddings: the two weights' names in
+    ``merged_state_dict`` and whether a LoRA adapter sits on the head but not on the embeddings
+    (which unties them in the trainer, not in the engine); None for an untied model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False):
+        return None
+    try:
+        inp, out = base.get_input_embeddings(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    names = {id(m): name for name, m in base.named_modules()}
+    if inp is None or out is None or id(inp) not in names or id(out) not in names:
+        return None
+    # A peft LoRA layer keeps the original under `base_layer`; merged_state_dict names it as the layer.
+    return (f"{names[id(inp)]}.weight", f"{names[id(out)]}.weight",
+            hasattr(out, "base_layer") and not hasattr(inp, "base_layer"))
+
+
+_UNTIED_HEAD = ("the policy ties its LM head to its input embeddings (tie_word_embeddings), but the trained "
+                "head differs from the embeddings (a LoRA adapter on the head: model.lora.target_modules); "
+                "the vLLM engine ties them and would sample from another policy. Leave the LM head out of "
+                "model.lora.target_modules or use rollout.backend=hf")
+
+
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMBackend:
     def __init__(self, model, tokenizer, cfg: RolloutConfig, mixed_precision: str = "no",
@@ -201,6 +262,9 @@ class VLLMBackend:
             vllm_cpu_sampler.install()  # the same distribution, a third of the cost (see that module)
         from vllm import LLM
 
+        self._tied = _tied_embeddings(model)
+        if self._tied is not None and self._tied[2]:
+            raise ConfigError(_UNTIED_HEAD)
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.on_cpu = device.type == "cpu"
@@ -212,7 +276,8 @@ class VLLMBackend:
         # the trainer shares this process, so its thread count and that function are restored.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
-            self.llm = LLM(**kwargs)
+            with _keep_global_rng():  # vLLM seeds this process's generators with its own seed
+                self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
@@ -227,7 +292,13 @@ class VLLMBackend:
         from anabranch.trainer.sharded_state import to_full_tensors
 
         # An FSDP2-sharded policy: every rank gathers the full weights for its own engine.
-        weights = [(k, v.detach()) for k, v in to_full_tensors(merged_state_dict(model)).items()]
+        state = to_full_tensors(merged_state_dict(model))
+        if self._tied is not None:  # the engine keeps one tensor for both: they must be equal here too
+            emb, head = state.get(self._tied[0]), state.get(self._tied[1])
+            if emb is not None and head is not None and emb.data_ptr() != head.data_ptr() \
+                    and not torch.equal(emb, head):
+                raise ConfigError(_UNTIED_HEAD)
+        weights = [(k, v.detach()) for k, v in state.items()]
         # The worker's `reload_weights` takes checkpoint-format tensors (separate q/k/v, gate/up)
         # and redoes the engine's own post-load processing (fusing, CPU weight repacking); a plain
         # `model.load_weights` would fail on parameters already repacked for the kernels.
@@ -250,6 +321,19 @@ class VLLMBackend:
             torch.manual_seed(seed)
             yield
 
+    def _check_lengths(self, enc: list[list[int]], max_new: int) -> None:
+        """A prompt that does not fit the engine's context with ``max_new`` tokens after it is an error
+        naming the key: vLLM rejects a prompt of ``max_model_len`` tokens or more with its own message,
+        and silently cuts the responses of a shorter one at ``max_model_len`` (marked truncated)."""
+        limit = self.llm.llm_engine.vllm_config.model_config.max_model_len
+        for i, ids in enumerate(enc):
+            if len(ids) + max_new > limit:
+                raise ConfigError(
+                    f"prompt {i} of this generate call is {len(ids)} tokens long; with {max_new} new tokens "
+                    f"it needs {len(ids) + max_new} positions, more than the vLLM engine's context of {limit} "
+                    "(rollout.vllm_max_model_len, at most the model's max_position_embeddings); raise it, "
+                    "shorten the prompts or lower rollout.max_new_tokens")
+
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
                  max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
         """``n`` samples of each prompt. ``seed``: vLLM's per-request seed on a GPU; on CPU the seed of
@@ -260,9 +344,17 @@ class VLLMBackend:
         tok = self.tokenizer
         max_new = max_new_tokens or self.cfg.max_new_tokens
         enc = tok(prompts, add_special_tokens=False)["input_ids"]
+        self._check_lengths(enc, max_new)
         sample = not greedy and self.cfg.temperature > 0
+        if sample and self.cfg.temperature < VLLM_MIN_TEMPERATURE:
+            # vLLM would sample at 0.01 while the trainer's log-probs (and the generate backend) use T.
+            raise ConfigError(f"rollout.temperature={self.cfg.temperature}: the vLLM engine samples at no less than "
+                              f"{VLLM_MIN_TEMPERATURE} (it raises smaller ones); use 0 for greedy decoding or "
+                              f">= {VLLM_MIN_TEMPERATURE}")
+        # vLLM refuses n > 1 with greedy decoding; the n greedy samples of a prompt are one, repeated.
+        copies = 1 if sample else n
         params = SamplingParams(
-            n=n, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
+            n=n // copies, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
             temperature=self.cfg.temperature if sample else 0.0,
             top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
             stop_token_ids=self.eos_ids, logprobs=0, seed=None if self.on_cpu else seed, detokenize=False,
@@ -274,8 +366,10 @@ class VLLMBackend:
         rows, lps = [], []
         for out in outs:
             for comp in sorted(out.outputs, key=lambda c: c.index):
-                rows.append(list(comp.token_ids))
-                lps.append([next(iter(d.values())).logprob if d else 0.0 for d in (comp.logprobs or [])])
+                # Each position's dict holds the sampled token (and, were logprobs > 0, the top ones).
+                lp = [d[t].logprob if d else 0.0 for t, d in zip(comp.token_ids, comp.logprobs or [])]
+                rows += [list(comp.token_ids)] * copies
+                lps += [lp] * copies
         width_r = max(1, max(len(r) for r in rows))
         response_ids = torch.full((len(rows), width_r), pad, dtype=torch.long)
         sample_lp = torch.zeros(len(rows), width_r)
