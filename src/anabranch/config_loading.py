@@ -209,6 +209,12 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
         (cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0"),
+        (cfg.rollout.temperature > 0 or cfg.rollout.n == 1, "rollout.temperature",
+         f"=0 decodes greedily, so the rollout.n={cfg.rollout.n} samples of a prompt would be identical "
+         "(equal rewards: zero group advantages, nothing to learn); set rollout.temperature > 0 or rollout.n=1"),
+        (not cfg.algorithm.dynamic_sampling or cfg.rollout.n >= 2, "algorithm.dynamic_sampling",
+         "needs rollout.n >= 2: it keeps groups whose samples disagree, and a group of one never does, so "
+         "every round would be dropped"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
         (cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0"),
         (cfg.task.train_size >= 1, "task.train_size", "must be >= 1"),

@@ -86,6 +86,13 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
             needs.add("old_log_prob")  # the KL of the sampled tokens, before the update
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
+    if "whole_groups" in needs and cfg.overlong_filter:
+        # A per-group term (FlowRL's VarGrad log Z, the group mean of ζ) reads every row of the group;
+        # a row the overlong filter emptied enters it as ζ = 0 (algorithms/flowrl.py), shifting the
+        # residual of every other sample of its group.
+        raise ConfigError(f"algorithm.overlong_filter=true does not combine with loss={cfg.loss!r} and "
+                          "algorithm.flowrl.log_z=vargrad: a filtered response would still enter its group's "
+                          "mean of log Z, as 0; use flowrl.log_z=head or scalar, or overlong_filter=false")
     adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
     factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg)}
     aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
@@ -100,6 +107,10 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         (0 <= cfg.clip_ratio_low <= 1, "clip_ratio_low", "must be in [0, 1] (the ratio's floor is 1 − clip_ratio_low)"),
         (cfg.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0"),
         (cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "must be positive (or null for a fixed kl_coef)"),
+        # The controller scales β multiplicatively from kl_coef: from 0 it stays 0, and with
+        # kl_coef = 0 no reference model is loaded, so the target would be silently ignored.
+        (cfg.kl_target is None or cfg.kl_coef > 0, "kl_target",
+         "needs algorithm.kl_coef > 0, the initial β that the adaptive controller scales (from 0 it stays 0)"),
         (cfg.kl_horizon > 0, "kl_horizon", "must be positive"),
         (cfg.clip_ratio_c == 0 or cfg.clip_ratio_c > 1, "clip_ratio_c", "must be 0 (off) or > 1"),
         (0 < cfg.entropy_top_rho <= 1, "entropy_top_rho", "must be in (0, 1]"),

@@ -46,15 +46,52 @@ def apply_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = False):
 
 
 class AdapterDisabledReference:
-    """The reference policy of a LoRA run: the base model, reached by switching the adapters off."""
+    """The reference policy of a LoRA run: the base model, reached by switching the adapters off.
+
+    It offers the policy's decoder and LM head (``get_decoder``, ``get_output_embeddings``) as the
+    lean log-prob path uses them (models/logprobs.py), the decoder running with its adapters off,
+    so the reference log-probs are computed by the same kernels as the policy's unshared forward
+    (and without the full [rows, R, V] logits): at the start of a run (B = 0) they are bitwise
+    equal, and the KL term has exactly zero gradient, as with a separately loaded reference.
+    (Through the full-logits fallback they differed by float rounding, ~5e-7, a noise gradient
+    that Adam's normalization turns into lr-sized steps of the adapters when the advantages are
+    zero.) This wrapper does not take the shared prompt prefix (models/shared_prefix.py wants a
+    PeftModel or PreTrainedModel), so with ``trainer.share_prompt_prefix`` the policy's update and
+    the reference still differ by that path's rounding. An adapted LM head (``lm_head`` in
+    ``target_modules``) is not a plain Linear, so the lean path is not taken and ``__call__`` runs
+    with every adapter off; nor where the policy itself does not take it (an FSDP2 root gathers its
+    weights in its forward).
+    """
 
     def __init__(self, peft_model):
         self.model = peft_model
+
+    @property
+    def config(self):
+        return self.model.config
 
     @torch.no_grad()
     def __call__(self, **kwargs):
         with self.model.disable_adapter():
             return self.model(**kwargs)
+
+    def get_output_embeddings(self):
+        from anabranch.models.chunked_logprobs import supports_chunked_head
+
+        # None where the policy itself may not split decoder and head (an FSDP2 root): then the
+        # reference runs the whole model's forward too.
+        return self.model.get_output_embeddings() if supports_chunked_head(self.model) else None
+
+    def get_decoder(self):
+        decoder = self.model.get_decoder()
+        model = self.model
+
+        @torch.no_grad()
+        def run_without_adapters(**kwargs):
+            with model.disable_adapter():
+                return decoder(**kwargs)
+
+        return run_without_adapters
 
     def parameters(self):
         return self.model.parameters()

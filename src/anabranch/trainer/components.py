@@ -82,6 +82,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
+    warn_low_precision_weights(cfg, model)
     if cfg.trainer.compile_layers:
         compile_policy_layers(model, device, cfg)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
@@ -93,6 +94,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout, **backend_kwargs)
     if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
+    warn_per_micro_batch_selection(cfg, algo, model, device, longest_prompt)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
@@ -114,6 +116,72 @@ def compile_policy_layers(model, device: torch.device, cfg: Config) -> None:
     if not (counts["rms_norm"] or counts["mlp"] or counts["rotary"]):
         raise ConfigError("trainer.compile_layers=true: no RMSNorm, gated SiLU MLP or rotary function of "
                           f"{type(model).__name__} matches the compiled formulas; set it to false")
+
+
+# Significant bits of the low-precision float types a policy may be loaded in.
+_SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11}
+
+
+def warn_low_precision_weights(cfg: Config, model) -> str | None:
+    """Trainable weights in bf16/fp16 (``model.dtype``, full fine-tuning) are updated without an fp32
+    master copy, so an AdamW step (about ``trainer.lr`` per weight) is rounded away on every weight
+    larger than lr·2^(bits+1) in magnitude: at lr 2e-5 in bf16, every weight above ~0.01 never moves
+    (on the tiny test model 70% of the weights did not change in a step). LoRA adapters stay fp32
+    (peft). Said once, at the start; returns the warning."""
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    low = sorted((d for d in dtypes if d in _SIGNIFICANT_BITS), key=str)
+    if not low:
+        return None
+    from anabranch.rewards.guard import warn
+
+    bits = min(_SIGNIFICANT_BITS[d] for d in low)
+    name = str(low[0]).removeprefix("torch.")
+    text = (f"model.dtype={cfg.model.dtype}: the trained weights are {name} with no fp32 master copy, so an "
+            f"AdamW step of about trainer.lr={cfg.trainer.lr:g} is rounded away on every weight larger than "
+            f"about {cfg.trainer.lr * 2 ** (bits + 1):.2g} in magnitude; train in model.dtype=float32 (with "
+            "distributed.mixed_precision=bf16 on GPUs) or with LoRA (model.lora.r > 0: fp32 adapters)")
+    warn(text)
+    return text
+
+
+def warn_per_micro_batch_selection(cfg: Config, algo: Algorithm, model, device: torch.device,
+                                   longest_prompt: int) -> str | None:
+    """The high-entropy token mask (``entropy_top_rho``), Clip-Cov and KL-Cov select tokens within
+    each micro-batch (algorithms/exploration.py, cov_control.py): the paper's selection over the
+    step batch only when one micro-batch holds it. Say so (once, at the start) when a step's batch
+    may span several micro-batches, instead of silently approximating; returns the warning."""
+    a = algo.cfg
+    controls = ([f"algorithm.entropy_top_rho={a.entropy_top_rho}"] if a.entropy_top_rho < 1 else []) + \
+        ([f"algorithm.loss={a.loss}"] if a.loss in ("clip_cov", "kl_cov") else [])
+    if not controls:
+        return None
+    from anabranch.models.shared_prefix import supports_shared_prefix
+    from anabranch.trainer.microbatch import resolve_micro_batch_tokens
+
+    r, t = cfg.rollout, cfg.trainer
+    rows = r.prompts_per_step * r.n
+    budget = resolve_micro_batch_tokens(t.micro_batch_tokens, device, model.config.vocab_size)
+    world = max(cfg.distributed.num_processes, int(os.environ.get("WORLD_SIZE", "1")))
+    if world > 1:  # each process selects within its own share of the batch
+        splits, setting = True, f"{world} data-parallel processes"
+    elif budget > 0:
+        shared = t.share_prompt_prefix and supports_shared_prefix(model)
+        tokens = (r.prompts_per_step * longest_prompt + rows * r.max_new_tokens if shared
+                  else rows * (longest_prompt + r.max_new_tokens))
+        splits, setting = tokens > budget, f"trainer.micro_batch_tokens={budget} (up to {tokens} tokens a step)"
+    else:
+        splits, setting = t.micro_batch_size < rows, f"trainer.micro_batch_size={t.micro_batch_size}"
+    if not splits:
+        return None
+    from anabranch.rewards.guard import warn
+
+    verb = "selects" if len(controls) == 1 else "select"
+    text = (f"{' and '.join(controls)} {verb} tokens within each micro-batch, and a step's {rows} sequences may "
+            f"span several with {setting}: the selection is then per micro-batch, not over the step batch. "
+            f"For the batch-wide selection set trainer.micro_batch_tokens=0 trainer.micro_batch_size={rows}"
+            + (" and train in one process" if world > 1 else ""))
+    warn(text)
+    return text
 
 
 def largest_generate_kv(cfg: Config, longest_prompt: int, eval_prompts: int) -> int:
