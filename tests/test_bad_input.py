@@ -119,3 +119,22 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_the_key():
                                           r"Hub \(We couldn't connect.*\); without network access give a local"):
         _from_hub(offline, "org/name", "model.path")
     assert _from_hub(lambda p: "loaded " + p, "org/name", "model.path") == "loaded org/name"
+
+
+def test_prompt_longer_than_the_vllm_engine_context_is_refused_before_loading(tiny_model_dir, write_jsonl, tmp_path,
+                                                                                  monkeypatch):
+    """The engine's context (rollout.vllm_max_model_len), not only the model's, is checked before the
+    model loads; and evaluations' longer trainer.eval_max_new_tokens count too."""
+    import anabranch.trainer.components as components
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the prompt lengths were checked")
+
+    monkeypatch.setattr(components, "load_model", no_load)
+    data = write_jsonl([{"prompt": "x" * 200 + str(i), "answer": "1"} for i in range(8)])
+    base = [f"model.path={tiny_model_dir}", "task.name=file", f"task.path={data}", "task.eval_size=2",
+            f"trainer.output_dir={tmp_path}", "trainer.progress=false", "rollout.max_new_tokens=16"]
+    with pytest.raises(ConfigError, match=r"vLLM engine's context is 128 \(rollout\.vllm_max_model_len\)"):
+        train(load_config(None, base + ["rollout.backend=vllm", "rollout.vllm_max_model_len=128"]))
+    with pytest.raises(ConfigError, match=r"with 900 new tokens .* model's context is 1024"):
+        train(load_config(None, base + ["trainer.eval_max_new_tokens=900"]))

@@ -221,7 +221,8 @@ def test_update_reports_forward_backward_and_optimizer_time_apart(model):
     # 2 epochs x 2 micro-batches in the spans, plus the old log-probs' passes before them.
     assert len(forwards) == 6
     assert m["time/optimizer_s"] >= 0.8
-    assert 4 * 0.05 <= m["time/forward_backward_s"] < 0.8
+    assert 4 * 0.05 <= m["time/forward_backward_s"]
+    # Neither span holds the other's time (a fixed bound on the passes failed on a busy host).
     assert m["time/forward_backward_s"] + m["time/optimizer_s"] <= wall
 
 

@@ -70,7 +70,12 @@ def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> int:
     Returns the longest prompt's length in tokens (0 without prompts)."""
     limit = cfg.task.max_prompt_tokens
     context = model_context(cfg.model.path)
-    max_new = cfg.rollout.max_new_tokens
+    where = "the model's context is {} (max_position_embeddings in model.path's config.json)"
+    if cfg.rollout.backend == "vllm" and (context is None or cfg.rollout.vllm_max_model_len < context):
+        # The engine's context: checked here, before any model loads, rather than at the first rollout.
+        context, where = cfg.rollout.vllm_max_model_len, "the vLLM engine's context is {} (rollout.vllm_max_model_len)"
+    # Evaluations generate up to trainer.eval_max_new_tokens (0: rollout.max_new_tokens).
+    max_new = max(cfg.rollout.max_new_tokens, cfg.trainer.eval_max_new_tokens)
     longest = 0
     for i, text in enumerate(prompts):
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -81,9 +86,9 @@ def check_prompt_lengths(prompts: list[str], tokenizer, cfg: Config) -> int:
             )
         if context is not None and n + max_new > context:
             raise ConfigError(
-                f"prompt {i} is {n} tokens long; with rollout.max_new_tokens={max_new} it needs {n + max_new} "
-                f"positions but the model's context is {context} (max_position_embeddings in model.path's "
-                "config.json); shorten the prompts or lower rollout.max_new_tokens"
+                f"prompt {i} is {n} tokens long; with {max_new} new tokens it needs {n + max_new} positions but "
+                f"{where.format(context)}; shorten the prompts or lower rollout.max_new_tokens "
+                "(and trainer.eval_max_new_tokens, if set)"
             )
         longest = max(longest, n)
     return longest
