@@ -72,10 +72,9 @@ def test_low_precision_full_fine_tuning_is_warned(tiny_model_dir, write_jsonl, t
         assert f"model.dtype={extra['model.dtype']}" in out
 
 
-def test_overlong_filter_is_refused_with_a_group_mean_log_z():
-    """VarGrad's log Z is the group mean of ζ over every row; a row the overlong filter emptied has
-    ζ = 0 there (algorithms/flowrl.py) and shifts its group's log Z. When flowrl.py averages over the
-    rows with loss tokens only, the first assertion fails and the refusal can be lifted."""
+def test_vargrad_log_z_leaves_out_responses_the_overlong_filter_emptied():
+    """VarGrad's log Z is the group mean of ζ over the samples in the loss: a row the overlong filter
+    emptied (ζ = 0 there) must not shift it, so FlowRL takes overlong_filter=true with any log Z."""
     from functools import partial
 
     import torch
@@ -89,19 +88,22 @@ def test_overlong_filter_is_refused_with_a_group_mean_log_z():
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.5], [-3.0, -1.0]])
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5]])
 
-    def log_z_mean(rows, mask):
+    def run(rows, mask):
         scale = BatchScale(total_tokens=float(mask.sum()), total_seqs=2.0, max_response_len=2)
         ctx = LossContext(cfg=cfg, aggregate=partial(aggregate, mode=cfg.loss_agg_mode, scale=scale),
                           group_index=torch.zeros(len(rows), dtype=torch.long))
-        return flowrl_loss(lp[rows], lp[rows], adv[rows], mask, ctx)[1]["flowrl/log_z_mean"]
+        return flowrl_loss(lp[rows], lp[rows], adv[rows], mask, ctx)
 
     filtered = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # the third response was filtered out
-    assert log_z_mean([0, 1, 2], filtered) != pytest.approx(log_z_mean([0, 1], torch.ones(2, 2)))
-    with pytest.raises(ConfigError, match=r"algorithm\.overlong_filter=true.*flowrl\.log_z=vargrad"):
-        resolve_algorithm(load_config(None, ["algorithm.name=flowrl", "algorithm.flowrl.log_z=vargrad",
-                                             "algorithm.overlong_filter=true"]).algorithm)
-    for ok in (["algorithm.name=flowrl", "algorithm.overlong_filter=true"],  # head: no group term
-               ["algorithm.name=flowrl", "algorithm.flowrl.log_z=vargrad"]):
+    (loss_f, m_f), (loss_2, m_2) = run([0, 1, 2], filtered), run([0, 1], torch.ones(2, 2))
+    assert m_f["flowrl/log_z_mean"] == pytest.approx(m_2["flowrl/log_z_mean"])
+    assert float(loss_f) == pytest.approx(float(loss_2))
+    # ζ = β·r̂ − log π (reference none): the two kept rows' mean, by hand.
+    beta = cfg.flowrl.beta
+    zeta = [beta * 1.0 + 1.5, beta * -1.0 + 0.5]
+    assert m_2["flowrl/log_z_mean"] == pytest.approx(sum(zeta) / 2)
+    for ok in (["algorithm.name=flowrl", "algorithm.overlong_filter=true"],
+               ["algorithm.name=flowrl", "algorithm.flowrl.log_z=vargrad", "algorithm.overlong_filter=true"]):
         resolve_algorithm(load_config(None, ok).algorithm)
 
 

@@ -88,14 +88,15 @@ def flowrl_modules(cfg: AlgorithmConfig) -> dict:
     return {}
 
 
-def group_mean(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """Each sample's group mean (differentiable)."""
+def group_mean(values: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample's group mean (differentiable), over the group's ``valid`` samples when given (0
+    for a group with none)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
-    counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(
-        0, inverse, torch.ones_like(values))
-    return (sums / counts)[inverse]
+    weight = torch.ones_like(values) if valid is None else valid.to(values.dtype)
+    sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, inverse, values * weight)
+    counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, inverse, weight)
+    return (sums / counts.clamp(min=1.0))[inverse]
 
 
 def importance_weight(seq_log_ratio: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +135,8 @@ def flowrl_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     zeta = f.beta * r_hat + log_prior - log_pi  # log R(x,y) − log π_θ(y|x), length-normalized
 
     if f.log_z == "vargrad":
-        log_z = group_mean(zeta, ctx.group_index)
+        # Over the samples in the loss: one the overlong filter emptied has ζ = 0 and would shift it.
+        log_z = group_mean(zeta, ctx.group_index, valid=m.sum(-1) > 0)
     elif f.log_z == "scalar":
         log_z = ctx.modules["log_z"](log_pi.shape[0]).to(log_pi.dtype)
     else:

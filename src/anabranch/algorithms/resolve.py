@@ -86,13 +86,6 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
             needs.add("old_log_prob")  # the KL of the sampled tokens, before the update
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
-    if "whole_groups" in needs and cfg.overlong_filter:
-        # A per-group term (FlowRL's VarGrad log Z, the group mean of ζ) reads every row of the group;
-        # a row the overlong filter emptied enters it as ζ = 0 (algorithms/flowrl.py), shifting the
-        # residual of every other sample of its group.
-        raise ConfigError(f"algorithm.overlong_filter=true does not combine with loss={cfg.loss!r} and "
-                          "algorithm.flowrl.log_z=vargrad: a filtered response would still enter its group's "
-                          "mean of log Z, as 0; use flowrl.log_z=head or scalar, or overlong_filter=false")
     adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
     factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg)}
     aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
