@@ -116,3 +116,13 @@ def test_per_process_token_selection_is_warned(tiny_model_dir, write_jsonl, tmp_
         "algorithm.entropy_top_rho": 0.2, "trainer.micro_batch_size": 32, "trainer.micro_batch_tokens": 0})))
     text = components.warn_per_micro_batch_selection(c.cfg, c.algo, c.model, c.device, 20)
     assert text and "2 data-parallel processes" in text and "one process" in text
+
+
+@pytest.mark.parametrize("backend,warned", [("hf", True), ("vllm", False)])
+def test_tis_without_an_inference_engine_is_warned(backend, warned, capsys):
+    from anabranch.trainer.components import warn_unused_tis
+
+    cfg = load_config(None, ["algorithm.tis_cap=2", f"rollout.backend={backend}"])
+    assert (warn_unused_tis(cfg) is not None) == warned
+    assert ("tis_cap=2 has no effect with rollout.backend=hf" in capsys.readouterr().out) == warned
+    assert warn_unused_tis(load_config(None, ["rollout.backend=hf"])) is None  # tis_cap off: nothing to say

@@ -95,6 +95,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
     warn_per_micro_batch_selection(cfg, algo, model, device, longest_prompt)
+    warn_unused_tis(cfg)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
@@ -180,6 +181,21 @@ def warn_per_micro_batch_selection(cfg: Config, algo: Algorithm, model, device: 
             f"span several with {setting}: the selection is then per micro-batch, not over the step batch. "
             f"For the batch-wide selection set trainer.micro_batch_tokens=0 trainer.micro_batch_size={rows}"
             + (" and train in one process" if world > 1 else ""))
+    warn(text)
+    return text
+
+
+def warn_unused_tis(cfg: Config) -> str | None:
+    """``algorithm.tis_cap`` corrects the gap between an inference engine's sampling log-probs and the
+    trainer's; the generate backend samples from the trained model itself and returns none, so the
+    setting does nothing there. Said once, at the start; returns the warning."""
+    if cfg.algorithm.tis_cap <= 0 or cfg.rollout.backend != "hf":
+        return None
+    from anabranch.rewards.guard import warn
+
+    text = (f"algorithm.tis_cap={cfg.algorithm.tis_cap:g} has no effect with rollout.backend=hf: the generate "
+            "backend samples from the trained model itself, so there is no sampler mismatch to correct "
+            "(it applies to rollout.backend=vllm)")
     warn(text)
     return text
 
