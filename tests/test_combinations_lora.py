@@ -2,6 +2,7 @@
 adapters off (no second copy), computed through the same lean log-prob path as the policy, so at
 the start of a run the KL term is exactly zero and has exactly zero gradient."""
 
+import pytest
 import torch
 
 from anabranch import load_config, train
@@ -22,17 +23,18 @@ def test_reference_log_probs_equal_the_policy_bitwise_at_the_start(tiny_model_di
     c = build(cfg)
     assert isinstance(c.ref_model, AdapterDisabledReference) and c.ref_model.model is c.model  # no copy
     rollout, _ = fixed_rollout([0, 1, 2, 3])
-    policy, _ = rollout_forward(c.model, rollout, 8, 1.0, share_prefix=False)
-    ref, _ = rollout_forward(c.ref_model, rollout, 8, 1.0, share_prefix=True)  # the wrapper never shares
-    assert torch.equal(policy, ref)  # B = 0: the same model through the same kernels
+    for share in (False, True):  # the reference takes the shared prompt prefix where the policy does
+        policy, _ = rollout_forward(c.model, rollout, 8, 1.0, share_prefix=share)
+        ref, _ = rollout_forward(c.ref_model, rollout, 8, 1.0, share_prefix=share)
+        assert torch.equal(policy, ref), share  # B = 0: the same model through the same kernels
 
 
-def test_kl_alone_leaves_the_adapters_at_zero(tiny_model_dir, write_jsonl, tmp_path):
+@pytest.mark.parametrize("share", ["false", "true"])
+def test_kl_alone_leaves_the_adapters_at_zero(tiny_model_dir, write_jsonl, tmp_path, share):
     """All rewards 0: the advantages are 0 and the KL to the adapter-free reference is 0 with a zero
     gradient, so Adam must not move the adapters (a rounding-noise gradient would be normalized by
-    Adam into lr-sized steps). Without the shared prompt prefix, which the reference wrapper does not
-    take (models/shared_prefix.py: supports_shared_prefix wants a PeftModel or PreTrainedModel), the
-    policy's update and the reference run the same kernels."""
+    Adam into lr-sized steps). With or without the shared prompt prefix, the policy's update and the
+    reference run the same kernels."""
     captured = {}
     import anabranch.trainer.loop as loop
 
@@ -48,7 +50,7 @@ def test_kl_alone_leaves_the_adapters_at_zero(tiny_model_dir, write_jsonl, tmp_p
             "model.lora.r": 4, "algorithm.kl_coef": 0.1, "trainer.steps": 2, "task.eval_size": 0,
             "rollout.n": 4, "rollout.prompts_per_step": 2, "trainer.save_final": "false",
             "reward.functions": "[test_combinations_lora:zero_reward]", "reward.isolation": "none",
-            "trainer.share_prompt_prefix": "false"}))
+            "trainer.share_prompt_prefix": share}))
         result = train(cfg)
     finally:
         loop.build = real_build

@@ -55,9 +55,8 @@ class AdapterDisabledReference:
     equal, and the KL term has exactly zero gradient, as with a separately loaded reference.
     (Through the full-logits fallback they differed by float rounding, ~5e-7, a noise gradient
     that Adam's normalization turns into lr-sized steps of the adapters when the advantages are
-    zero.) This wrapper does not take the shared prompt prefix (models/shared_prefix.py wants a
-    PeftModel or PreTrainedModel), so with ``trainer.share_prompt_prefix`` the policy's update and
-    the reference still differ by that path's rounding. An adapted LM head (``lm_head`` in
+    zero.) It takes the shared prompt prefix exactly where the policy does
+    (models/shared_prefix.py asks the policy), so both run the same path. An adapted LM head (``lm_head`` in
     ``target_modules``) is not a plain Linear, so the lean path is not taken and ``__call__`` runs
     with every adapter off; nor where the policy itself does not take it (an FSDP2 root gathers its
     weights in its forward).

@@ -68,6 +68,10 @@ def supports_shared_prefix(model) -> bool:
 
     from anabranch.models.chunked_logprobs import supports_chunked_head
 
+    from anabranch.models.lora import AdapterDisabledReference
+
+    if isinstance(model, AdapterDisabledReference):  # a LoRA run's reference: the policy, adapters off
+        model = model.model
     base = model
     try:  # LoRA: the peft wrapper forwards to the Hugging Face model inside it
         from peft import PeftModel
