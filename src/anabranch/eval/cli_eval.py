@@ -91,4 +91,11 @@ def run(args) -> int:
     except (ConfigError, OSError, ValueError) as exc:  # OSError: e.g. an output path that cannot be written
         print(f"anabranch {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from anabranch.eval.compare import CompareFailed
+
+        if not isinstance(exc, CompareFailed):
+            raise
+        print(f"anabranch compare: error: {exc}", file=sys.stderr)
+        return 1
     return 0
