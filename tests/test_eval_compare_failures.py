@@ -50,3 +50,21 @@ def test_a_bad_combination_stops_compare_before_any_training(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"--algorithms flowrl: algorithm\.tis_cap"):
         compare.run_compare(["grpo", "flowrl"], None, [f"trainer.output_dir={tmp_path}", "algorithm.tis_cap=2"])
     assert trained == []
+
+
+def test_report_plots_the_held_out_reward_of_runs_without_a_right_wrong_reward(tmp_path):
+    """A run whose held-out problems have no right/wrong reward logs eval/reward: the report plots
+    it, instead of a placeholder asking for trainer.eval_every."""
+    from anabranch.eval.report import make_plots, read_run
+
+    run = tmp_path / "judge-run"
+    run.mkdir()
+    rows = [{"step": 0, "eval/reward": 0.2}, {"step": 1, "reward/mean": 0.3}, {"step": 2, "eval/reward": 0.4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "plots"
+    out.mkdir()
+    assert make_plots([read_run(run)], out)["accuracy"][1] == "held-out reward"
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.3}) + "\n")
+    assert make_plots([read_run(empty)], out)["accuracy"][1] == "held-out accuracy"

@@ -88,8 +88,11 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
             out[name] = (plots.placeholder(path, f"{title}: {missing}"), title)
 
     over_steps("reward", "reward/mean", "mean reward", "training reward per step", "no reward/mean in metrics.jsonl")
-    over_steps("accuracy", "eval/accuracy", "held-out accuracy (greedy)", "held-out accuracy",
-               "no eval/accuracy rows (set trainer.eval_every)")
+    if any(series(r, "eval/accuracy")[0] for r in runs) or not any(series(r, "eval/reward")[0] for r in runs):
+        over_steps("accuracy", "eval/accuracy", "held-out accuracy (greedy)", "held-out accuracy",
+                   "no eval/accuracy rows (set trainer.eval_every)")
+    else:  # held-out problems without a right/wrong reward: the trainer logs their mean reward
+        over_steps("accuracy", "eval/reward", "held-out reward (greedy)", "held-out reward", "")
     over_steps("entropy", "entropy", "mean token entropy", "policy entropy per step", "no entropy in metrics.jsonl")
 
     evals = {f"{r['label']}" if len(r["evals"]) == 1 else f"{r['label']}/{e['label']}": e
