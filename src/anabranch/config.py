@@ -19,6 +19,16 @@ class ConfigError(ValueError):
     """A bad config key or value, raised before any expensive work."""
 
 
+def one_line(exc: BaseException, innermost: bool = False) -> str:
+    """An exception's message for a one-line error: its first non-blank line, spaces collapsed (torch
+    and jinja list details on the lines after), or the type's name when it has no message.
+    ``innermost``: of the deepest ``__cause__`` (``datasets`` wraps the parser's error in a generic one)."""
+    while innermost and exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else type(exc).__name__
+
+
 @dataclass
 class LoraConfig:
     # LoRA adapters through peft (Hu et al. 2021). r=0 trains every weight; r>0 trains only the

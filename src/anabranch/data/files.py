@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from anabranch.config import ConfigError
+from anabranch.config import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,6 @@ def load_rows(path: str, split: str = "train", skip_bad: bool = False, split_key
         raise DataError(f"dataset file {p} (task.path) has an unsupported extension {suffix!r}; use one of "
                         f"{sorted(readers)}, or a folder written by datasets' save_to_disk")
     return readers[suffix](p, skip_bad)
-
-
-def _one_line(exc: BaseException) -> str:
-    """The innermost cause's message on one line (``datasets`` wraps the parser's error in a generic one)."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _load_json(p: Path, skip_bad: bool) -> list[dict]:
@@ -89,7 +82,7 @@ def _load_csv(p: Path, skip_bad: bool) -> list[dict]:
     try:
         df = pd.read_csv(p, dtype=str, keep_default_na=False, na_filter=False, encoding="utf-8-sig")
     except Exception as exc:
-        raise DataError(f"cannot read dataset file {p}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot read dataset file {p}: {one_line(exc, innermost=True)}") from exc
     return df.to_dict(orient="records")
 
 
@@ -99,7 +92,7 @@ def _load_parquet(p: Path, skip_bad: bool) -> list[dict]:
     try:
         ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
     except Exception as exc:  # datasets raises many types for malformed files
-        raise DataError(f"cannot read dataset file {p}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot read dataset file {p}: {one_line(exc, innermost=True)}") from exc
     return [dict(r) for r in ds]
 
 
@@ -138,7 +131,8 @@ def _load_saved_dataset(p: Path, split: str, split_key: str) -> list[dict]:
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:
-        raise DataError(f"{p} (task.path) is a folder but not a dataset saved with save_to_disk ({_one_line(exc)}); "
+        raise DataError(f"{p} (task.path) is a folder but not a dataset saved with save_to_disk "
+                        f"({one_line(exc, innermost=True)}); "
                         f"for a folder of data files (a Hub dataset downloaded as files) use task.path=hf:{p}") from exc
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
@@ -158,7 +152,7 @@ def _load_hub(name: str, split: str, split_key: str) -> list[dict]:
         ds = datasets.load_dataset(name, split=split)
     except Exception as exc:
         raise DataError(f"cannot load Hugging Face dataset {name!r} (task.path) split {split!r} ({split_key}): "
-                        f"{_one_line(exc)}") from exc
+                        f"{one_line(exc, innermost=True)}") from exc
     return [dict(r) for r in ds]
 
 

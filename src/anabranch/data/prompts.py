@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from anabranch.config import ConfigError, TaskConfig
+import functools
+
+from anabranch.config import ConfigError, TaskConfig, one_line
 
 
+@functools.lru_cache(maxsize=8)  # asked once per prompt row: a tokenizer's answer does not change
 def bos_prefix(tokenizer) -> str:
     """The BOS token's text when the tokenizer starts every encoded text with it (Llama, Gemma, ...),
     else "". Prompts are tokenized later without special tokens (a chat template writes its own BOS,
@@ -49,7 +52,7 @@ def build_prompt(row: dict, cfg: TaskConfig, tokenizer) -> str:
         roles = [m.get("role") for m in messages]
         raise ConfigError(
             f"the tokenizer's chat template failed on messages with roles {roles}: "
-            f"{' '.join(str(exc).split()) or type(exc).__name__}; "
+            f"{one_line(exc)}; "
             + ("unset task.system_prompt (or put it in task.instruction), " if cfg.system_prompt else "")
             + "set task.chat_template=false to use plain prompts, or point model.tokenizer at another tokenizer"
         ) from exc

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from anabranch.config import ConfigError, load_config
+from anabranch.config import ConfigError, load_config, one_line
 from anabranch.registry import unknown_name_message
 
 
@@ -65,7 +65,7 @@ def run_compare(algorithms: list[str], config_file: str | None, overrides: list[
         except RunStopped:  # Ctrl-C / SIGTERM: the user stops the whole comparison
             raise
         except Exception as exc:  # one algorithm's failure (diverged, out of memory, ...) is its own
-            failed[algo] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            failed[algo] = f"{type(exc).__name__}: {one_line(exc)}"[:300]
             print(f"{algo}: training failed ({failed[algo]}); going on with the other algorithms")
             if (root / algo / "metrics.jsonl").is_file():  # what it logged before failing goes in the report
                 run_dirs.append(root / algo)

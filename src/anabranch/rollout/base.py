@@ -15,6 +15,7 @@ masked tokens without special tokens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,19 @@ import torch
 from anabranch.registry import Registry
 
 ROLLOUT_BACKENDS: Registry = Registry("rollout backend")
+
+
+@contextlib.contextmanager
+def seeded_torch(seed: int | None, device: torch.device | None = None):
+    """Seed torch's generators (CPU, and ``device``'s when it is a GPU) for the block, then put the
+    caller's states back (a forked state); nothing changes when ``seed`` is None. Both backends'
+    ``generate(seed=...)`` draw their samples inside it."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass

@@ -7,13 +7,13 @@ caller's are left as they were), which ``generate`` draws every sample from.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 
 from anabranch.config import RolloutConfig
 from anabranch.models.shared_prefix import shared_prompt_cache
-from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos, seeded_torch
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -41,6 +41,7 @@ _NEUTRAL_GENERATION = dict(
 )
 
 
+@functools.lru_cache(maxsize=1)
 def _neutral_generation_kwargs() -> dict:
     """:data:`_NEUTRAL_GENERATION`, restricted to the fields this transformers' GenerationConfig has
     (an unknown keyword would be passed on to the model's forward)."""
@@ -48,18 +49,6 @@ def _neutral_generation_kwargs() -> dict:
 
     defaults = GenerationConfig()
     return {k: v for k, v in _NEUTRAL_GENERATION.items() if hasattr(defaults, k)}
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device):
-    """Seed torch's generators (CPU, and ``device``'s when it is a GPU) for the block, then put the
-    caller's states back; nothing changes when ``seed`` is None."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -101,7 +90,7 @@ class HFGenerateBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with _seeded(seed, device):
+            with seeded_torch(seed, device):
                 pieces = self._generate_chunks(prompt_ids, prompt_mask, chunk, device, kwargs)
         finally:
             self.model.train(was_training)

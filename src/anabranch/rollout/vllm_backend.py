@@ -51,7 +51,7 @@ import torch
 
 from anabranch.config import ConfigError, RolloutConfig
 from anabranch.rollout import vllm_cpu_sampler
-from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos, seeded_torch
 from anabranch.rollout.hf_generate import eos_token_ids
 
 
@@ -317,8 +317,7 @@ class VLLMBackend:
             yield
             return
         self.llm.reset_prefix_cache()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_torch(seed):
             yield
 
     def _check_lengths(self, enc: list[list[int]], max_new: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from anabranch.config import one_line
 from anabranch.models.loading import save_hf
 
 STATE_FILE = "trainer_state.pt"
@@ -123,17 +124,12 @@ class DamagedCheckpoint(Exception):
     """A checkpoint file that cannot be read (cut short, overwritten, copied in part)."""
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def load_state(path: Path) -> dict:
     # Our own file; it holds numpy/python RNG states, which the weights-only unpickler refuses.
     try:
         return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as exc:  # a truncated zip, a pickle cut short, an empty file
-        raise DamagedCheckpoint(f"{Path(path) / STATE_FILE} cannot be read ({_first_line(exc)})") from exc
+        raise DamagedCheckpoint(f"{Path(path) / STATE_FILE} cannot be read ({one_line(exc)})") from exc
 
 
 def discard_after(folder: Path, step: int) -> list[Path]:
@@ -203,7 +199,7 @@ def load_model_weights(model, path: Path, trainer_state: dict | None = None) -> 
     try:
         saved = AutoModelForCausalLM.from_pretrained(str(Path(path) / "model"), dtype=dtype)
     except Exception as exc:  # a missing or cut-short file of the checkpoint's own model folder
-        raise DamagedCheckpoint(f"{Path(path) / 'model'} cannot be loaded ({_first_line(exc)})") from exc
+        raise DamagedCheckpoint(f"{Path(path) / 'model'} cannot be loaded ({one_line(exc)})") from exc
     if is_fsdp2(model):
         load_full_model_state(model, saved.state_dict())
     else:
