@@ -100,10 +100,11 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     # without gradient for the metrics, or none (trainer/inert_rows.py).
     inert = inert_rows(algo, advantages, resp_mask, kl_coef, zero_advantage_rows, dist is not None)
     metric_tokens = scale.total_tokens  # the response tokens the metrics' means are over
-    if inert is None:
+    if inert is not None:
+        inert = inert.cpu()
+    if inert is None or not inert.any():  # every row trains: the plan above as it is
         passes = [(mb, True) for mb in plan]
     else:
-        inert = inert.cpu()
         live = plan_rows(torch.nonzero(~inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask,
                          micro_batch_size, micro_batch_tokens, **plan_args)
         idle = [] if zero_advantage_rows == "skip" else plan_rows(
