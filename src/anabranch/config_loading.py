@@ -239,6 +239,12 @@ def validate(cfg: Config) -> None:
         (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),
         (cfg.trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no periodic checkpoints)"),
         (cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 turns top-k off)"),
+        (cfg.rollout.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1"),
+        (cfg.rollout.tool_output_max_tokens >= 1, "rollout.tool_output_max_tokens", "must be >= 1"),
+        (cfg.rollout.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0"),
+        (not cfg.rollout.tools or cfg.rollout.min_new_tokens == 0, "rollout.min_new_tokens",
+         "must be 0 with rollout.tools: a response's length is its turns' and its tool outputs' together, "
+         "so a minimum per generate call has no fixed meaning"),
         (0 <= cfg.rollout.min_new_tokens <= cfg.rollout.max_new_tokens, "rollout.min_new_tokens",
          f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"),
         (cfg.rollout.generation_batch_size >= 0, "rollout.generation_batch_size",

@@ -15,21 +15,23 @@ from anabranch.algorithms.registries import ADVANTAGES, RECIPES
 
 
 def token_level_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence's reward on its last response token."""
+    """Put each sequence's reward on its last response token (the last masked one: with tool
+    outputs inside a response, the mask has gaps, so its sum is not that position)."""
     mask = response_mask.to(torch.float32)
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    last = (mask * torch.arange(1, mask.shape[1] + 1, dtype=torch.float32)).argmax(-1)
     out = torch.zeros_like(mask)
     out[torch.arange(mask.shape[0]), last] = rewards.to(torch.float32) * (mask.sum(-1) > 0)
     return out
 
 
 def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = Σ_{s≥t} γ^{s−t} r_s over the response tokens."""
+    """G_t = Σ_{s≥t} γ^{s−t} r_s over the response tokens; s and t count masked tokens only, so
+    tool outputs inside a response (mask gaps) are not discounted steps."""
     mask = response_mask.to(torch.float32)
     out = torch.zeros_like(mask)
     running = torch.zeros(mask.shape[0])
     for t in reversed(range(mask.shape[1])):
-        running = token_rewards[:, t] * mask[:, t] + gamma * running
+        running = torch.where(mask[:, t] > 0, token_rewards[:, t] + gamma * running, running)
         out[:, t] = running
     return out * mask
 

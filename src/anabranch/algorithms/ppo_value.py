@@ -51,17 +51,22 @@ def response_values(modules: dict, hidden: torch.Tensor, response_len: int) -> t
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
         gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [B, T] and zero outside the response mask."""
+    """(advantages, returns), both [B, T] and zero outside the response mask. The next state of a
+    token is the next *masked* token: tool outputs inside a response (mask gaps) are not steps of
+    the policy, so δ_t bootstraps from the value at the policy's next token."""
     mask = response_mask.to(torch.float32)
     values = values * mask
     rewards = token_rewards * mask
     adv = torch.zeros_like(mask)
     last = torch.zeros(mask.shape[0])
+    next_v = torch.zeros(mask.shape[0])
     for t in reversed(range(mask.shape[1])):
-        next_v = values[:, t + 1] if t + 1 < mask.shape[1] else torch.zeros(mask.shape[0])
+        on = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_v - values[:, t]
-        last = delta + gamma * lam * last
-        adv[:, t] = last
+        step = delta + gamma * lam * last
+        adv[:, t] = step
+        last = torch.where(on, step, last)
+        next_v = torch.where(on, values[:, t], next_v)
     adv = adv * mask
     return adv, (adv + values) * mask
 

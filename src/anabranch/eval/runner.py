@@ -112,6 +112,7 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     from anabranch.models.loading import load_model, load_tokenizer
     from anabranch.rewards import score
     from anabranch.rollout import ROLLOUT_BACKENDS
+    from anabranch.rollout.multi_turn import prompt_task, with_tools
     from anabranch.trainer.components import pick_device
 
     mcfg = dataclasses.replace(cfg.model, path=spec.path)
@@ -121,10 +122,10 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     if not rows:
         raise ConfigError("the task has no held-out problems to evaluate; set task.eval_size > 0")
     tokenizer = load_tokenizer(mcfg)
-    prompts = [build_prompt(r, cfg.task, tokenizer) for r in rows]
+    prompts = [build_prompt(r, prompt_task(cfg.task, rcfg), tokenizer) for r in rows]
     device = pick_device(cfg.trainer.device)
     model = load_model(mcfg, device, trainable=False)
-    backend = ROLLOUT_BACKENDS.get(rcfg.backend)(model, tokenizer, rcfg)
+    backend = with_tools(ROLLOUT_BACKENDS.get(rcfg.backend)(model, tokenizer, rcfg), tokenizer, rcfg)
     max_new = settings.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
 
     torch.manual_seed(settings.seed)

@@ -67,6 +67,7 @@ class SandboxResult:
     stdout: str = ""
     stderr: str = ""
     passed_ids: list = field(default_factory=list)
+    program_stdout: str = ""    # stdout without the harness's report lines: what the program printed
 
     @property
     def fraction(self) -> float:
@@ -241,7 +242,21 @@ def _parse(out: str, err: str, nonce: str, total: int, timed_out: bool,
         error = "sandbox did not start: " + (err.strip().splitlines() or ["no output"])[-1][:300]
     elif not done and not error:
         error = "timed out" if timed_out else "killed before finishing (limit reached)"
-    return SandboxResult(len(passed), total, timed_out, error, out, err, sorted(passed))
+    return SandboxResult(len(passed), total, timed_out, error, out, err, sorted(passed),
+                         program_stdout=_without_reports(out, nonce))
+
+
+def _without_reports(out: str, nonce: str) -> str:
+    """``out`` with the harness's report lines taken out; a report that follows the program's own text
+    on a line (``print(x, end="")``) leaves that text."""
+    kept = []
+    for line in out.splitlines(keepends=True):
+        at = line.find(nonce)
+        if at < 0:
+            kept.append(line)
+        elif at > 0:
+            kept.append(line[:at])
+    return "".join(kept)
 
 
 def run_tests(program: str, tests: list[str], setup: str = "", limits: SandboxLimits | None = None,

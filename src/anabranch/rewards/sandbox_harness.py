@@ -122,6 +122,12 @@ def main():
         if setup:
             exec(compile(setup, "<setup>", "exec"), scope)
     except BaseException as exc:  # noqa: BLE001 - the program's failure is the result
+        # The exception as an interpreter's last traceback line (the python tool shows it to the model).
+        try:
+            line = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except BaseException:  # noqa: BLE001 - a program's exception whose __str__ fails
+            line = type(exc).__name__
+        print(line, file=sys.stderr, flush=True)
         print(f"{nonce} ERROR {type(exc).__name__}", file=out, flush=True)
         os._exit(0)
     for i, test in enumerate(tests):

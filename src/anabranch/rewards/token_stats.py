@@ -81,7 +81,7 @@ def trainer_fields(sources, model, rollout, micro_batch_size: int) -> dict[str, 
         model.eval()
         try:
             fields.update(sequence_token_stats(model, rollout.input_ids, rollout.attention_mask,
-                                               rollout.response_mask, micro_batch_size))
+                                               rollout.trained_mask, micro_batch_size))
         finally:
             model.train(was_training)
     return fields

@@ -11,12 +11,17 @@ prompts left-padded, responses right-padded with the tokenizer's pad id (which m
 SmolLM2's does: only ``response_mask`` tells them apart), the mask covering the generated tokens
 through the first EOS inclusive (the loss trains the model to stop), and ``completions`` the decoded
 masked tokens without special tokens.
+
+A multi-turn rollout with tools (:mod:`anabranch.rollout.multi_turn`) puts the tools' outputs inside
+the response: ``response_mask`` then covers them too (they are context the model reads), and
+``loss_mask`` marks the tokens the policy sampled; :attr:`Rollout.trained_mask` is what the loss,
+the advantages and the metrics are taken over.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,6 +55,10 @@ class Rollout:
     completions: list               # [B] decoded response texts
     truncated: torch.Tensor         # [B] bool: hit max_new_tokens without EOS
     sample_log_probs: Optional[torch.Tensor] = None  # [B, R] from the sampler, when it gives them
+    # [B, R] 1 where the policy sampled the token, 0 on tool outputs inserted into the response;
+    # None: every response token was sampled (single-turn).
+    loss_mask: Optional[torch.Tensor] = None
+    metrics: dict = field(default_factory=dict)  # the rollout's own metrics (tool calls, ...)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -62,6 +71,13 @@ class Rollout:
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, R] the response tokens the policy sampled: the loss, advantages and metrics' mask."""
+        if self.loss_mask is None:
+            return self.response_mask
+        return self.response_mask * self.loss_mask.to(self.response_mask.dtype)
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

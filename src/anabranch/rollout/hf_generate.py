@@ -76,17 +76,7 @@ class HFGenerateBackend:
         prompt_mask = enc["attention_mask"].repeat_interleave(n, dim=0)
         group_index = torch.arange(len(prompts)).repeat_interleave(n)
         chunk = self.cfg.generation_batch_size or prompt_ids.shape[0]
-        sample = not greedy and self.cfg.temperature > 0
-        kwargs = dict(
-            **_neutral_generation_kwargs(), do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
-            eos_token_id=self.eos_ids, use_cache=True, min_new_tokens=min(self.cfg.min_new_tokens, max_new) or None,
-        )
-        if getattr(self, "synced_gpus", False):  # set by the trainer for FSDP / ZeRO-3 (sharded weights)
-            kwargs["synced_gpus"] = True
-        if sample:
-            kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
-        else:  # silence generation_config's sampling defaults
-            kwargs.update(temperature=None, top_p=None, top_k=None)
+        kwargs = self._generation_kwargs(greedy, max_new, min(self.cfg.min_new_tokens, max_new))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -95,6 +85,54 @@ class HFGenerateBackend:
         finally:
             self.model.train(was_training)
         return self._rollout(pieces, prompt_ids, prompt_mask, group_index, prompts)
+
+    def _generation_kwargs(self, greedy: bool, max_new: int, min_new: int) -> dict:
+        tok = self.tokenizer
+        sample = not greedy and self.cfg.temperature > 0
+        kwargs = dict(
+            **_neutral_generation_kwargs(), do_sample=sample, max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
+            eos_token_id=self.eos_ids, use_cache=True, min_new_tokens=min_new or None,
+        )
+        if getattr(self, "synced_gpus", False):  # set by the trainer for FSDP / ZeRO-3 (sharded weights)
+            kwargs["synced_gpus"] = True
+        if sample:
+            kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
+        else:  # silence generation_config's sampling defaults
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    @torch.no_grad()
+    def continue_ids(self, sequences: list[list[int]], max_new: list[int], stop: list[str] = (),
+                     greedy: bool = False, seed: int | None = None) -> list[tuple[list[int], None]]:
+        """Sample a continuation of each token sequence (a prompt and the response so far: the
+        multi-turn rollouts' next turn, :mod:`anabranch.rollout.multi_turn`), at most ``max_new[i]``
+        tokens for row ``i``, stopping early at EOS or after any of the ``stop`` strings. Returns the
+        raw new tokens of each row (cut at its budget, not at EOS or a stop string: the caller cuts)
+        and no sampling log-probs (the sampler is the trained model itself)."""
+        tok = self.tokenizer
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, seq in enumerate(sequences):  # left-padded: every continuation starts at the same column
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+        kwargs = self._generation_kwargs(greedy, max(max_new), 0)
+        if stop:
+            kwargs.update(stop_strings=list(stop), tokenizer=tok)
+        device = next(self.model.parameters()).device
+        chunk = self.cfg.generation_batch_size or len(sequences)
+        pieces = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with seeded_torch(seed, device):
+                for start in range(0, len(sequences), chunk):
+                    out = self.model.generate(input_ids=ids[start:start + chunk].to(device),
+                                              attention_mask=mask[start:start + chunk].to(device), **kwargs)
+                    pieces += out[:, width:].cpu().tolist()
+        finally:
+            self.model.train(was_training)
+        return [(row[:budget], None) for row, budget in zip(pieces, max_new)]
 
     def _generate_chunks(self, prompt_ids, prompt_mask, chunk, device, kwargs) -> list[torch.Tensor]:
         pieces = []

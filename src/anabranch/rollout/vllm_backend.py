@@ -320,18 +320,56 @@ class VLLMBackend:
         with seeded_torch(seed):
             yield
 
-    def _check_lengths(self, enc: list[list[int]], max_new: int) -> None:
+    def _check_lengths(self, enc: list[list[int]], max_new: int | list[int]) -> None:
         """A prompt that does not fit the engine's context with ``max_new`` tokens after it is an error
         naming the key: vLLM rejects a prompt of ``max_model_len`` tokens or more with its own message,
         and silently cuts the responses of a shorter one at ``max_model_len`` (marked truncated)."""
         limit = self.llm.llm_engine.vllm_config.model_config.max_model_len
-        for i, ids in enumerate(enc):
+        budgets = max_new if isinstance(max_new, list) else [max_new] * len(enc)
+        for i, (ids, max_new) in enumerate(zip(enc, budgets)):
             if len(ids) + max_new > limit:
                 raise ConfigError(
                     f"prompt {i} of this generate call is {len(ids)} tokens long; with {max_new} new tokens "
                     f"it needs {len(ids) + max_new} positions, more than the vLLM engine's context of {limit} "
                     "(rollout.vllm_max_model_len, at most the model's max_position_embeddings); raise it, "
                     "shorten the prompts or lower rollout.max_new_tokens")
+
+    def _sampling(self, greedy: bool) -> bool:
+        """Whether this call samples (else greedy); a temperature vLLM would not honour is an error."""
+        sample = not greedy and self.cfg.temperature > 0
+        if sample and self.cfg.temperature < VLLM_MIN_TEMPERATURE:
+            # vLLM would sample at 0.01 while the trainer's log-probs (and the generate backend) use T.
+            raise ConfigError(f"rollout.temperature={self.cfg.temperature}: the vLLM engine samples at no less than "
+                              f"{VLLM_MIN_TEMPERATURE} (it raises smaller ones); use 0 for greedy decoding or "
+                              f">= {VLLM_MIN_TEMPERATURE}")
+        return sample
+
+    def continue_ids(self, sequences: list[list[int]], max_new: list[int], stop: list[str] = (),
+                     greedy: bool = False, seed: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """Sample a continuation of each token sequence (a prompt and the response so far: the
+        multi-turn rollouts' next turn, :mod:`anabranch.rollout.multi_turn`), at most ``max_new[i]``
+        tokens for row ``i``, stopping at EOS or after any of the ``stop`` strings (kept in the
+        output). Returns each row's new tokens and the engine's log-probs of them. The tokens go in
+        as ids, so nothing the model wrote is tokenized again. ``seed`` as in :meth:`generate` (on a
+        GPU row ``i`` gets ``seed + i``, so equal sequences still get their own samples)."""
+        from vllm import SamplingParams
+
+        self._check_lengths(sequences, list(max_new))
+        sample = self._sampling(greedy)
+        params = [SamplingParams(
+            n=1, max_tokens=budget, temperature=self.cfg.temperature if sample else 0.0,
+            top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
+            stop_token_ids=self.eos_ids, stop=list(stop) or None, include_stop_str_in_output=True, logprobs=0,
+            seed=None if (self.on_cpu or seed is None) else seed + i, detokenize=bool(stop),
+        ) for i, budget in enumerate(max_new)]
+        with self._cpu_seeded(seed):
+            outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in sequences], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            comp = out.outputs[0]
+            result.append((list(comp.token_ids),
+                           [d[t].logprob if d else 0.0 for t, d in zip(comp.token_ids, comp.logprobs or [])]))
+        return result
 
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
                  max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
@@ -344,12 +382,7 @@ class VLLMBackend:
         max_new = max_new_tokens or self.cfg.max_new_tokens
         enc = tok(prompts, add_special_tokens=False)["input_ids"]
         self._check_lengths(enc, max_new)
-        sample = not greedy and self.cfg.temperature > 0
-        if sample and self.cfg.temperature < VLLM_MIN_TEMPERATURE:
-            # vLLM would sample at 0.01 while the trainer's log-probs (and the generate backend) use T.
-            raise ConfigError(f"rollout.temperature={self.cfg.temperature}: the vLLM engine samples at no less than "
-                              f"{VLLM_MIN_TEMPERATURE} (it raises smaller ones); use 0 for greedy decoding or "
-                              f">= {VLLM_MIN_TEMPERATURE}")
+        sample = self._sampling(greedy)
         # vLLM refuses n > 1 with greedy decoding; the n greedy samples of a prompt are one, repeated.
         copies = 1 if sample else n
         params = SamplingParams(

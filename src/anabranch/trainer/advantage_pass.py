@@ -57,7 +57,7 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
                        kl_controller=None, share_prompt_prefix: bool = True,
                        micro_batch_tokens: int = 0) -> AdvantageBatch:
     cfg, needs = algo.cfg, algo.needs
-    mask = rollout.response_mask.float()
+    mask = rollout.trained_mask.float()  # tool outputs inside a response are not the policy's tokens
     pre: dict = {}
     if "old_log_prob" in needs or "values" in needs:
         old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs,

@@ -55,8 +55,9 @@ def generate_scored(c, idx: list[int], cfg) -> ScoredBatch:
                                a.overlong_penalty)
         total = [t + p for t, p in zip(total, pen.tolist())]
         per_source = {**per_source, "overlong": pen.tolist()}
-    # scored.metrics: reward/<name>/failures and each source's own metrics
-    return ScoredBatch(rollout, rows, list(total), dict(per_source), t_gen, metrics=dict(scored.metrics))
+    # scored.metrics: reward/<name>/failures and each source's own metrics; the rollout's: tool use
+    return ScoredBatch(rollout, rows, list(total), dict(per_source), t_gen,
+                       metrics={**rollout.metrics, **scored.metrics})
 
 
 def filter_signal(batch: ScoredBatch, sources, metric: str) -> torch.Tensor:
@@ -155,7 +156,8 @@ def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
         group_index=torch.tensor([new_id[int(g)] for g in r.group_index[sel]], dtype=r.group_index.dtype),
         prompts=[r.prompts[g] for g in groups], completions=[r.completions[i] for i in rows_idx],
         truncated=r.truncated[sel],
-        sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel])
+        sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel],
+        loss_mask=None if r.loss_mask is None else r.loss_mask[sel], metrics=dict(r.metrics))
     return ScoredBatch(rollout, [batch.rows[i] for i in rows_idx], [batch.total[i] for i in rows_idx],
                        {k: [v[i] for i in rows_idx] for k, v in batch.per_source.items()}, batch.t_generate)
 
@@ -176,16 +178,20 @@ def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
     for r in rs:
         offsets.append(n)
         n += len(r.prompts)
-    slp = None
+    slp = loss_mask = None
     if all(r.sample_log_probs is not None for r in rs):
         slp = _pad([r.sample_log_probs for r in rs], left=False)
+    if any(r.loss_mask is not None for r in rs):  # a round without tool outputs: every token sampled
+        loss_mask = _pad([torch.ones_like(r.response_mask) if r.loss_mask is None else r.loss_mask for r in rs],
+                         left=False)
     rollout = Rollout(
         prompt_ids=_pad([r.prompt_ids for r in rs], True), prompt_mask=_pad([r.prompt_mask for r in rs], True),
         response_ids=_pad([r.response_ids for r in rs], False),
         response_mask=_pad([r.response_mask for r in rs], False),
         group_index=torch.cat([r.group_index + o for r, o in zip(rs, offsets)]),
         prompts=[p for r in rs for p in r.prompts], completions=[c for r in rs for c in r.completions],
-        truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp)
+        truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp, loss_mask=loss_mask,
+        metrics=dict(rs[-1].metrics))
     keys = batches[0].per_source.keys()
     return ScoredBatch(rollout, [x for b in batches for x in b.rows], [x for b in batches for x in b.total],
                        {k: [x for b in batches for x in b.per_source[k]] for k in keys})

@@ -20,6 +20,8 @@ from anabranch.models.loading import load_model, load_tokenizer
 from anabranch.models.lora import apply_lora, reference_policy
 from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rollout import ROLLOUT_BACKENDS
+from anabranch.rollout.multi_turn import prompt_task, with_tools
+from anabranch.rollout.tools import build_tools
 from anabranch.trainer.host_memory import keep_freed_host_memory
 from anabranch.trainer.preflight import check_paths, check_prompt_lengths
 
@@ -68,6 +70,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     except KeyError as exc:
         raise ConfigError(f"rollout.backend: {exc.args[0]}") from None
     rewards = build_rewards(cfg.reward)
+    build_tools(list(cfg.rollout.tools), cfg.rollout.tool_timeout_s)  # a bad tool name fails here, not after loading
     if cfg.trainer.num_threads > 0:
         torch.set_num_threads(cfg.trainer.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -76,9 +79,10 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
         keep_freed_host_memory()
 
     train_rows, eval_rows = load_task(cfg.task)  # first: a data error is reported before any model file is read
+    task = prompt_task(cfg.task, cfg.rollout)  # with the tools' instructions when rollout.tools is set
     tokenizer = load_tokenizer(cfg.model)
-    train_prompts = [build_prompt(r, cfg.task, tokenizer) for r in train_rows]
-    eval_prompts = [build_prompt(r, cfg.task, tokenizer) for r in eval_rows]
+    train_prompts = [build_prompt(r, task, tokenizer) for r in train_rows]
+    eval_prompts = [build_prompt(r, task, tokenizer) for r in eval_rows]
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
@@ -94,6 +98,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout, **backend_kwargs)
     if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
+    backend = with_tools(backend, tokenizer, cfg.rollout)  # multi-turn rollouts when rollout.tools is set
     warn_per_micro_batch_selection(cfg, algo, model, device, longest_prompt)
     warn_unused_tis(cfg)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}

@@ -80,7 +80,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     device = next(model.parameters()).device
     rollout_ids = rollout.input_ids.to(device)
     rollout_mask = rollout.attention_mask.to(device)
-    resp_mask = rollout.response_mask.to(device).float()
+    resp_mask = rollout.trained_mask.to(device).float()  # tool outputs are context, not trained
     advantages = advantages.to(device)
     if dist is not None:
         scale = dist.batch_scale(resp_mask, max_response_len)

@@ -1,0 +1,267 @@
+"""Multi-turn rollouts: the policy calls tools in the middle of its response and reads their output.
+
+With ``rollout.tools`` set, every backend is wrapped in :class:`ToolUseBackend`. A response is
+generated in turns. The policy calls a tool by writing ``<name>input</name>``
+(:mod:`anabranch.rollout.tools`); its turn ends right after the closing tag, the tool runs on
+``input``, and the output is appended to the response as the tokens of
+``"\\n<result>\\noutput\\n</result>\\n"``; then the policy continues from there, until it writes
+EOS, the response reaches ``rollout.max_new_tokens`` (tool outputs count: the budget bounds the
+sequence the trainer runs), or it has made ``rollout.max_tool_calls`` calls. A call past that
+limit gets ``error: no tool calls left`` and one last turn without tools.
+
+This is the tool-integrated reasoning setup of ToRL (Li et al. 2025, "ToRL: Scaling Tool-Integrated
+RL") and ReTool (Feng et al. 2025): calls and results are text inside the assistant's message, so
+any causal LM and chat template works, and the trainer's log-probs are of exactly the tokens the
+sampler saw. Every turn continues from token ids (the backends' ``continue_ids``): nothing the
+model wrote is tokenized again, and a tool's output is tokenized with its special-token strings
+split (a program printing ``<|im_end|>`` cannot end the model's message).
+
+The tool outputs are context, not actions: ``Rollout.loss_mask`` is 0 on them, so the loss, the
+advantages (rewards land on the policy's last token), KL terms, entropy and the sampler-mismatch
+metrics leave them out, while the model reads them in every forward pass (``response_mask`` covers
+them). Masking the observation tokens out of the loss is what ToRL, ReTool and Search-R1 (Jin et
+al. 2025) do. The reward functions see the whole transcript (``completions``), tool outputs included.
+
+Metrics (``tools/...``): calls per response, the fraction of responses with a call, the fraction of
+calls that returned an error, the share of response tokens that are tool output, and calls per tool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+
+from anabranch.config import ConfigError, RolloutConfig, TaskConfig
+from anabranch.rollout.base import Rollout
+from anabranch.rollout.tools import Tool, ToolError, build_tools, tool_instructions
+
+log = logging.getLogger(__name__)
+
+RESULT_TAG = "result"
+NO_CALLS_LEFT = "error: no tool calls left"
+
+
+def result_text(output: str) -> str:
+    return f"\n<{RESULT_TAG}>\n{output}\n</{RESULT_TAG}>\n"
+
+
+class ToolUseBackend:
+    """Multi-turn generation with tools over a backend that offers ``continue_ids``."""
+
+    def __init__(self, backend, tokenizer, tools: list[Tool], cfg: RolloutConfig):
+        if not hasattr(backend, "continue_ids"):
+            raise ConfigError(f"rollout.tools: the {type(backend).__name__} backend cannot continue a response "
+                              "after a tool call (no continue_ids)")
+        self.__dict__["inner"] = backend  # set directly: __setattr__ forwards to the inner backend
+        self.__dict__.update(tokenizer=tokenizer, tools=list(tools), cfg=cfg, eos_ids=list(backend.eos_ids),
+                             _by_close={t.close_tag: t for t in tools})
+
+    # The trainer sets backend options (share_prompt_prefix) on whatever it holds: they are the inner one's.
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name, value):
+        if name == "synced_gpus" and value:
+            raise ConfigError("rollout.tools does not combine with sharded training (FSDP / ZeRO-3): the "
+                              "processes' responses call tools at different turns, so they would run different "
+                              "numbers of generate calls while their forward passes must stay in step")
+        setattr(self.inner, name, value)
+
+    def sync_weights(self, model) -> None:
+        self.inner.sync_weights(model)
+
+    # ------------------------------------------------------------------ one response's text, cut at its turn's end
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _first_close(self, text: str) -> Optional[tuple[int, Tool]]:
+        hits = [(text.find(tag), tool) for tag, tool in self._by_close.items() if tag in text]
+        return min(hits, key=lambda h: h[0]) if hits else None
+
+    def cut_turn(self, ids: list[int], tools_on: bool = True) -> tuple[list[int], str, Optional[tuple[Tool, str]]]:
+        """(the turn's tokens, how it ended, the call): ``eos`` (kept through the first EOS), ``call``
+        (kept through the token that completes the first closing tag; the call is ``(tool, input)``,
+        input ``None`` without an opening tag), or ``length``. Tokens after the end are dropped: a
+        backend may overshoot (a stop string inside a token, padding after EOS)."""
+        eos = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        body = ids if eos is None else ids[:eos]
+        hit = self._first_close(self._decode(body)) if tools_on else None
+        if hit is None:
+            return (ids, "length", None) if eos is None else (ids[:eos + 1], "eos", None)
+        tool = hit[1]
+        lo, hi = 1, len(body)  # the fewest tokens whose text holds the closing tag (monotone in the count)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tool.close_tag in self._decode(body[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        text = self._decode(body[:lo])
+        end = text.find(tool.close_tag)
+        start = text.rfind(tool.open_tag, 0, end)
+        arg = None if start < 0 else text[start + len(tool.open_tag):end]
+        return body[:lo], "call", (tool, arg)
+
+    # ------------------------------------------------------------------ tools
+    def _run(self, tool: Tool, arg: Optional[str]) -> tuple[str, bool]:
+        """(output, whether it is an error)."""
+        if arg is None:
+            return f"error: no {tool.open_tag} before {tool.close_tag}", True
+        try:
+            return str(tool.run(arg)), False
+        except ToolError as exc:
+            return f"error: {exc}", True
+        except Exception as exc:  # noqa: BLE001 - a user's tool failing is an output, not a crash
+            log.debug("tool %s raised", tool.name, exc_info=True)
+            return f"error: {type(exc).__name__}: {exc}", True
+
+    def _run_all(self, calls: list[tuple[Tool, Optional[str]]]) -> list[tuple[str, bool]]:
+        if not calls:
+            return []
+        timeout = self.cfg.tool_timeout_s
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(calls), 8), thread_name_prefix="tool")
+        futures = [pool.submit(self._run, tool, arg) for tool, arg in calls]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=timeout))
+            except concurrent.futures.TimeoutError:  # abandoned: a thread cannot be killed
+                out.append((f"error: timed out after {timeout:g} s", True))
+        pool.shutdown(wait=False, cancel_futures=True)
+        return out
+
+    def output_ids(self, output: str) -> list[int]:
+        """The tokens of a tool's result block, the output cut to ``rollout.tool_output_max_tokens``."""
+        tok, limit = self.tokenizer, self.cfg.tool_output_max_tokens
+        ids = _encode(tok, output)
+        if len(ids) > limit:
+            output = tok.decode(ids[:limit], skip_special_tokens=False) + " ...(truncated)"
+        return _encode(tok, result_text(output))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[str], n: int, greedy: bool = False,
+                 max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
+        tok, cfg = self.tokenizer, self.cfg
+        budget = max_new_tokens or cfg.max_new_tokens
+        enc = tok(list(prompts), add_special_tokens=False)["input_ids"]
+        starts = [list(enc[g]) for g in range(len(prompts)) for _ in range(n)]
+        rows = len(starts)
+        resp: list[list[int]] = [[] for _ in range(rows)]
+        trained: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        calls, errors, ended_eos = [0] * rows, [0] * rows, [False] * rows
+        per_tool = {t.name: 0 for t in self.tools}
+        active, has_logps = list(range(rows)), True
+        turn = 0
+        while active:
+            # Past the call limit a response gets one last turn without tools (it can only answer or stop).
+            tools_on = {i: calls[i] <= cfg.max_tool_calls for i in active}
+            stop = [t.close_tag for t in self.tools]
+            with_stop = [i for i in active if tools_on[i]]
+            without = [i for i in active if not tools_on[i]]
+            outs: dict[int, tuple] = {}
+            for k, (group, stops) in enumerate(((with_stop, stop), (without, []))):
+                if group:  # a seeded call: each turn's two calls draw from their own seeds
+                    got = self.inner.continue_ids(
+                        [starts[i] + resp[i] for i in group], [budget - len(resp[i]) for i in group], stops,
+                        greedy=greedy, seed=None if seed is None else seed + 1_000_003 * turn + k)
+                    outs.update(zip(group, got))
+            pending, still = [], []
+            for i in active:
+                ids, lps = outs[i]
+                ids, how, call = self.cut_turn(list(ids), tools_on[i])
+                resp[i] += ids
+                trained[i] += [1] * len(ids)
+                has_logps = has_logps and lps is not None
+                logps[i] += list(lps[:len(ids)]) if lps is not None else [0.0] * len(ids)
+                if how == "eos":
+                    ended_eos[i] = True
+                elif how == "call" and len(resp[i]) < budget:
+                    pending.append((i, call))
+            results = self._run_all([call for i, call in pending if calls[i] < cfg.max_tool_calls])
+            it = iter(results)
+            for i, (tool, arg) in pending:
+                if calls[i] < cfg.max_tool_calls:
+                    output, failed = next(it)
+                    per_tool[tool.name] += 1
+                    errors[i] += failed
+                else:
+                    output = NO_CALLS_LEFT
+                calls[i] += 1
+                ids = self.output_ids(output)[:budget - len(resp[i])]
+                resp[i] += ids
+                trained[i] += [0] * len(ids)
+                logps[i] += [0.0] * len(ids)
+                if len(resp[i]) < budget:
+                    still.append(i)
+            active = still
+            turn += 1
+        return self._rollout(prompts, enc, n, resp, trained, logps if has_logps else None, ended_eos,
+                             calls, errors, per_tool)
+
+    def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, calls, errors, per_tool) -> Rollout:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+        width_p = max(len(ids) for ids in enc)
+        prompt_ids = torch.full((len(enc), width_p), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(enc), width_p), dtype=torch.long)
+        for i, ids in enumerate(enc):  # left-padded, as the backends do
+            prompt_ids[i, width_p - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            prompt_mask[i, width_p - len(ids):] = 1
+        rows, width_r = len(resp), max(1, max(len(r) for r in resp))
+        response_ids = torch.full((rows, width_r), pad, dtype=torch.long)
+        response_mask = torch.zeros((rows, width_r), dtype=torch.long)
+        loss_mask = torch.zeros((rows, width_r), dtype=torch.long)
+        sample_lp = torch.zeros(rows, width_r) if logps is not None else None
+        for i, r in enumerate(resp):
+            response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[i, :len(r)] = 1
+            loss_mask[i, :len(r)] = torch.tensor(trained[i], dtype=torch.long)
+            if sample_lp is not None:
+                sample_lp[i, :len(r)] = torch.tensor(logps[i])
+        tool_tokens = sum(len(t) - sum(t) for t in trained)
+        total_calls = sum(calls)
+        metrics = {
+            "tools/calls_mean": total_calls / rows,
+            "tools/with_call_frac": sum(c > 0 for c in calls) / rows,
+            "tools/error_frac": sum(errors) / max(sum(per_tool.values()), 1),
+            "tools/output_token_frac": tool_tokens / max(sum(len(r) for r in resp), 1),
+            **{f"tools/{name}/calls": float(k) for name, k in per_tool.items()},
+        }
+        return Rollout(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+            response_ids=response_ids, response_mask=response_mask,
+            group_index=torch.arange(len(prompts)).repeat_interleave(n), prompts=list(prompts),
+            completions=[tok.decode(r, skip_special_tokens=True) for r in resp],
+            truncated=torch.tensor([not e for e in ended_eos]), sample_log_probs=sample_lp,
+            loss_mask=loss_mask, metrics=metrics,
+        )
+
+
+def _encode(tok, text: str) -> list[int]:
+    """Tokens of a tool's text with special-token strings split: printed text cannot end a message."""
+    try:
+        return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    except TypeError:  # a tokenizer without that option
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_task(task: TaskConfig, cfg: RolloutConfig) -> TaskConfig:
+    """``task`` with the tool instructions after its system prompt when ``rollout.tools`` and
+    ``rollout.tool_instructions`` are on (the model must know its tools and their call format)."""
+    if not cfg.tools or not cfg.tool_instructions:
+        return task
+    text = tool_instructions(build_tools(list(cfg.tools), cfg.tool_timeout_s), RESULT_TAG)
+    system = f"{task.system_prompt.rstrip()}\n\n{text}" if task.system_prompt else text
+    return dataclasses.replace(task, system_prompt=system)
+
+
+def with_tools(backend, tokenizer, cfg: RolloutConfig):
+    """``backend`` wrapped for ``rollout.tools`` (unchanged when there are none)."""
+    if not cfg.tools:
+        return backend
+    return ToolUseBackend(backend, tokenizer, build_tools(list(cfg.tools), cfg.tool_timeout_s), cfg)
