@@ -331,3 +331,62 @@ def test_train_with_a_tool_logs_tool_use(caller, tmp_path, write_jsonl):
     steps = [x for x in lines if "tools/calls_mean" in x]
     assert len(steps) == 2 and all(x["tools/calls_mean"] > 0 for x in steps)
     assert all(torch.isfinite(torch.tensor(x["loss"])) for x in steps)
+
+
+def add(text: str) -> str:
+    """Adds the numbers it is given."""
+    return str(sum(int(x) for x in text.replace("+", " ").split()))
+
+
+def test_grpo_learns_to_call_the_tool_that_answers(tiny_model_dir, tmp_path):
+    """Reward rises because the policy learns to use its tool. The tiny model is first fitted to
+    answer each of 8 additions in one of two ways, half and half: call ``<add>a+b</add>`` and stop after
+    the result (the result's number is then the answer: reward 1), or write "0" (reward 0). GRPO with
+    the tool then moves it to the calls: both the fraction of responses with a call and the reward
+    rise, through rollouts whose tool outputs are masked out of the loss."""
+    from transformers import AutoTokenizer
+
+    from anabranch import load_config, train
+    from anabranch.data.prompts import build_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    pairs = [(2, 5), (3, 4), (6, 1), (8, 9), (4, 4), (7, 5), (9, 3), (5, 6)]
+    rows = [{"prompt": f"Q{i}: {a}+{b}", "answer": str(a + b)} for i, (a, b) in enumerate(pairs)]
+    task = TaskConfig(chat_template=False, instruction="")
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    seqs = []
+    for r, (a, b) in zip(rows, pairs):
+        prompt = ids(build_prompt({"question": r["prompt"]}, task, tok))
+        seqs += [(prompt, ids(f"<add>{a}+{b}</add>") + ids(result_text(str(a + b))) + [tok.eos_token_id]),
+                 (prompt, ids("0") + [tok.eos_token_id])]
+    model = load_model(ModelConfig(path=str(tiny_model_dir)), torch.device("cpu"), trainable=True)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(150):  # token sums, so that both answers' first tokens weigh the same: p(call) ≈ 1/2
+        loss = sum(torch.nn.functional.cross_entropy(model(input_ids=torch.tensor([p + y])).logits[0, len(p) - 1:-1],
+                                                     torch.tensor(y), reduction="sum") for p, y in seqs) / len(seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    fitted = tmp_path / "fitted"
+    model.save_pretrained(str(fitted))
+    tok.save_pretrained(str(fitted))
+    data = tmp_path / "adds.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 5))
+    cfg = load_config(None, [
+        f"model.path={fitted}", "task.name=file", f"task.path={data}", "task.eval_size=0",
+        "task.chat_template=false", "task.instruction=", "rollout.tools=[test_multi_turn:add]",
+        "rollout.tool_instructions=false", "rollout.n=8", "rollout.prompts_per_step=4", "rollout.max_new_tokens=40",
+        "trainer.steps=20", "trainer.lr=2e-4", f"trainer.output_dir={tmp_path}", "trainer.run_name=rl",
+        "trainer.progress=false", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_final=false",
+        "reward.functions=[math_verify]", "trainer.device=cpu", "trainer.micro_batch_size=32"])
+    history = train(cfg).history
+    calls = [m["tools/with_call_frac"] for m in history]
+    rewards = [m["reward/mean"] for m in history]
+    assert 0.2 < sum(calls[:3]) / 3 < 0.8, calls  # both answers at the start
+    assert sum(calls[-5:]) / 5 > sum(calls[:3]) / 3 + 0.25, calls
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3 + 0.2, rewards
+    assert all(m["tools/add/calls"] > 0 for m in history[-5:])

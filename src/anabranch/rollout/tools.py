@@ -33,6 +33,7 @@ class Tool:
     name: str                    # the tag: <name>input</name>
     description: str             # one line, shown to the model in the tool instructions
     run: Callable[[str], str]    # the call's input text -> the output text
+    example: tuple | None = None  # (question, input, output) of a worked example for the instructions
 
     @property
     def open_tag(self) -> str:
@@ -108,8 +109,8 @@ def calculate(expression: str) -> str:
 
 @TOOLS.register("calculator")
 def calculator_tool(timeout_s: float = 10.0) -> Tool:
-    return Tool("calculator", "evaluates one arithmetic expression, e.g. <calculator>12*(3+4)</calculator>",
-                calculate)
+    return Tool("calculator", "evaluates one arithmetic expression", calculate,
+                example=("What is 12*(3+4)?", "12*(3+4)", "84"))
 
 
 # ---------------------------------------------------------------------------------------------- python
@@ -147,8 +148,9 @@ def python_tool(timeout_s: float = 10.0) -> Tool:
             return f"{out}{last[-1] if last else res.error}".strip()
         return out.rstrip("\n")
 
-    return Tool("python", "runs a Python program and shows what it prints, e.g. "
-                          "<python>print(sum(range(10)))</python>", run)
+    return Tool("python", "runs a Python program and shows what it prints", run,
+                example=("What is the sum of the squares of 1 to 10?", "print(sum(i * i for i in range(1, 11)))",
+                         "385"))
 
 
 def _strip_fence(code: str) -> str:
@@ -190,8 +192,16 @@ def build_tools(names: list, timeout_s: float = 10.0) -> list[Tool]:
 
 
 def tool_instructions(tools: list[Tool], result_tag: str = "result") -> str:
-    """What the prompt tells the model about its tools (``rollout.tool_instructions``)."""
-    lines = [f"You can use tools. To call one, write <name>input</name> and stop; its output comes back as "
+    """What the prompt tells the model about its tools (``rollout.tool_instructions``): the call
+    format, one line per tool, and a worked example (the first tool that has one), since small
+    models follow an example far more often than a description."""
+    lines = [f"You can use tools. To call one, write <name>input</name>; its output comes back as "
              f"<{result_tag}>output</{result_tag}>, then continue. Tools:"]
     lines += [f"- {t.name}: {t.description}" for t in tools]
+    shown = next((t for t in tools if t.example), None)
+    if shown is not None:
+        question, arg, output = shown.example
+        lines += ["Example:", f"Question: {question}",
+                  f"{shown.open_tag}{arg}{shown.close_tag}\n<{result_tag}>\n{output}\n</{result_tag}>\n"
+                  f"The answer is {output}."]
     return "\n".join(lines)
