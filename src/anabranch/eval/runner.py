@@ -130,9 +130,11 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
 
     torch.manual_seed(settings.seed)
     completions: list[list[str]] = []
+    tool_calls = 0.0  # with rollout.tools: calls summed over the samples
     for start in range(0, len(prompts), settings.batch_prompts):
         batch = prompts[start:start + settings.batch_prompts]
         ro = backend.generate(batch, settings.n, max_new_tokens=max_new)
+        tool_calls += ro.metrics.get("tools/calls_mean", 0.0) * len(ro.completions)
         for g in range(len(batch)):
             completions.append([c for c, gi in zip(ro.completions, ro.group_index.tolist()) if gi == g])
     flat = [c for group in completions for c in group]
@@ -147,6 +149,8 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     ks = sorted(set(settings.ks)) or passk.default_ks(settings.n)
     entry = {"label": spec.label, "model": spec.path, **passk.sample_metrics(correct, answers, ks),
              "num_problems": len(rows)}
+    if rcfg.tools:
+        entry["tool_calls_mean"] = tool_calls / max(len(rows) * settings.n, 1)
     if settings.greedy:
         entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new,
                                                    threshold=settings.correct_threshold)["accuracy"]
