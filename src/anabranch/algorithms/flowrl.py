@@ -33,6 +33,9 @@ and the policy is trained toward it with, per sequence y of length |y|,
   with the mean held fixed, because the deviations from a mean sum to zero. The trainer never
   splits a group across micro-batches for it (the ``whole_groups`` need, also under a token budget),
   so the group mean is the whole group's.
+- ``algorithm.kl_coef > 0`` with ``algorithm.kl_in=reward`` is refused (:func:`flowrl_needs`):
+  the KL would be subtracted from r before r̂ is formed, so log π_ref would enter ζ twice, once as
+  the prior and once inside r̂ with a per-prompt weight β·kl_coef/std_g.
 
 There is no PPO token clipping and no entropy term, and ``loss_agg_mode`` does not apply (the
 loss is always a sequence mean), as in the reference code. Groups whose rewards are all equal
@@ -67,6 +70,18 @@ def flowrl_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
         raise ConfigError(f"algorithm.flowrl.beta must be positive (got {f.beta})")
     if f.log_z_lr_multiplier < 0:
         raise ConfigError(f"algorithm.flowrl.log_z_lr_multiplier must be >= 0 (got {f.log_z_lr_multiplier})")
+    if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+        # kl_in=reward turns r into r − kl_coef·Σ_t (log π_old − log π_ref)_t (k1) before GRPO's
+        # normalization, so r̂ already holds log π_ref, and ζ adds log π_ref/|y| again as the prior:
+        # the target would be π_ref raised to a power set by each group's reward std, not
+        # π_ref·exp(β·r̂)/Z. With flowrl.reference=old/none the result is no principled prior
+        # either (the KL's weight still varies with std_g); flowrl.reference is the way to choose it.
+        raise ConfigError(
+            f"algorithm.kl_in='reward' with algorithm.kl_coef={cfg.kl_coef} is not supported for loss='flowrl': "
+            "FlowRL's target π_ref·exp(β·r̂)/Z already contains the reference prior (algorithm.flowrl.reference), "
+            "and a KL-to-reference penalty in the reward would count π_ref a second time inside r̂ "
+            "(scaled by β/std of each group); set algorithm.kl_coef=0 and choose the prior with "
+            "algorithm.flowrl.reference")
     needs = []
     if f.reference == "ref":
         needs.append("ref_log_prob")

@@ -48,19 +48,36 @@ def plot_over_steps(series: dict[str, tuple[list, list]], path: Path, ylabel: st
     return _save(fig, path)
 
 
+# What a bar's height is, for the metrics the eval reports (eval/runner.py ``diversity_of``).
+BAR_UNITS = {
+    "distinct_answers": "distinct answers per problem (count)",
+    "distinct_1": "distinct unigrams / unigrams",
+    "distinct_2": "distinct bigrams / bigrams",
+    "embedding_diversity": "mean pairwise cosine distance",
+}
+
+
 def plot_bars(groups: dict[str, dict[str, float]], path: Path, title: str) -> Path:
-    """Grouped bars: one group per metric, one bar per run."""
+    """One panel per metric, one bar per run, each panel on its own y axis.
+
+    The metrics have different units (a count of distinct answers per problem, which grows with
+    the number of samples, next to fractions in [0, 1]): on one shared axis the count would dwarf
+    the fractions and their differences between runs would not be readable."""
     metrics = sorted({m for values in groups.values() for m in values})
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.4 * len(metrics)), 4))
-    width = 0.8 / max(len(groups), 1)
-    for i, (label, values) in enumerate(groups.items()):
-        xs = np.arange(len(metrics)) + i * width
-        ax.bar(xs, [values.get(m, np.nan) for m in metrics], width=width, label=label)
-    ax.set_xticks(np.arange(len(metrics)) + width * (len(groups) - 1) / 2)
-    ax.set_xticklabels(metrics, rotation=15, fontsize=8)
-    ax.set_title(title)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    labels = list(groups)
+    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(max(5.5, 2.6 * len(metrics)), 3.6), squeeze=False)
+    colors = [f"C{i % 10}" for i in range(len(labels))]
+    for ax, metric in zip(axes[0], metrics):
+        heights = [groups[label].get(metric, np.nan) for label in labels]
+        ax.bar(np.arange(len(labels)), heights, color=colors)
+        ax.set_xticks(np.arange(len(labels)))
+        ax.set_xticklabels(labels, rotation=15, fontsize=7)
+        ax.set_title(metric, fontsize=9)
+        ax.set_ylabel(BAR_UNITS.get(metric, metric), fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    if not metrics:
+        axes[0][0].axis("off")
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 

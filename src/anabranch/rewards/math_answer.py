@@ -1,8 +1,12 @@
 """Math answer correctness with ``math-verify``.
 
 The gold answer and the completion are parsed with math-verify's LaTeX and expression
-extractors (a ``\\boxed{}`` answer first, else the last number or expression in the text), and
-compared by mathematical equivalence. Reward 1.0 when equivalent, else 0.0.
+extractors and compared by mathematical equivalence. Reward 1.0 when equivalent, else 0.0. The
+completion's answer is looked for with the precedence of
+:func:`~anabranch.rewards.extract.extract_answer`: inside the last ``<answer>...</answer>`` block
+when there is a non-empty one (a ``\\boxed{}`` in it still counts), else in the whole text (a
+``\\boxed{}`` answer first, else the last number or expression). Both texts first go through
+:func:`~anabranch.rewards.extract.normalize_text`, so "−5" (U+2212) equals a gold "-5".
 
 math-verify's own timeouts (a one-shot ``signal.alarm``) can be swallowed and are disabled; one
 comparison is bounded by :func:`~anabranch.rewards.time_limit.time_limit` instead (main thread
@@ -16,6 +20,7 @@ import logging
 import re
 from functools import lru_cache
 
+from anabranch.rewards.extract import extract_answer_tag, normalize_text
 from anabranch.rewards.registry import REWARDS
 from anabranch.rewards.time_limit import TimeLimitExceeded, time_limit
 
@@ -62,13 +67,28 @@ def is_equivalent(completion: str, answer: str) -> bool:
         return False
 
 
-def _is_equivalent(completion: str, answer: str) -> bool:
-    from math_verify import parse, verify
+def _parse_completion(completion: str):
+    """The completion's answer parsed as math: the ``<answer>`` block first (as extract_answer), else
+    math-verify's own choice in the whole text (a boxed answer, else the last expression)."""
+    from math_verify import parse
 
-    gold = _parse_gold(str(answer))
+    tag = extract_answer_tag(completion)
+    if not tag:
+        return parse(normalize_text(completion), parsing_timeout=None)
+    pred = parse(tag, parsing_timeout=None)
+    if not pred and not _MATH_DOLLAR.search(tag):
+        # Bare LaTeX in the tag ("\\sqrt{2}", "\\pi/2") has no delimiters for the LaTeX extractor.
+        pred = parse(f"${tag}$", parsing_timeout=None)
+    return pred
+
+
+def _is_equivalent(completion: str, answer: str) -> bool:
+    from math_verify import verify
+
+    gold = _parse_gold(normalize_text(str(answer)))
     if not gold:
         return False
-    pred = parse(completion, parsing_timeout=None)
+    pred = _parse_completion(completion)
     if not pred:
         return False
     return bool(verify(gold, pred, timeout_seconds=None))
@@ -85,6 +105,7 @@ def answers_equivalent(a: str | None, b: str | None) -> bool:
     """Whether two extracted answers are mathematically equal (both parsed as gold answers)."""
     if a is None or b is None:
         return False
+    a, b = normalize_text(str(a)), normalize_text(str(b))
     if a.strip() == b.strip():
         return True
     from math_verify import verify
