@@ -220,6 +220,34 @@ class Distributed:
         return BatchScale(total_tokens=max(total[0].item(), 1.0) / w, total_seqs=total[1].item() / w,
                           max_response_len=max_response_len)
 
+    def allows_inert_rows(self, model) -> bool:
+        """Whether the update may give zero-advantage rows no backward pass (trainer/inert_rows.py).
+
+        Plain DDP, or one process without sharding: ranks may then run different numbers of
+        micro-batches, with or without autograd, as long as each runs exactly one backward outside
+        ``no_sync`` (its last pass, where the gradient all-reduce happens; ``policy_update`` forces
+        one on a rank whose rows are all inert) and the passes without autograd bypass the wrapper
+        (:meth:`forward_only`). Refused: FSDP and ZeRO-3 (every forward and backward of a sharded model is a collective, so
+        ranks would have to run the same passes with autograd in lockstep) and DeepSpeed at any
+        stage (its backward steps the engine and reduces gradients in its own hooks; not checked)."""
+        if self.accelerator is None:
+            return True
+        from accelerate.utils import DistributedType
+
+        if self.sharded or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            return False
+        return self.world_size == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+    @staticmethod
+    def forward_only(model):
+        """The module a forward pass without autograd should call: DDP's own ``forward`` holds
+        collectives (the buffer broadcast at the first forward after a synced backward, the one-time
+        bucket rebuild at the first forward with autograd after it), in an order that depends on
+        whether the pass takes gradients. Ranks that mix passes with and without autograd
+        differently would pair different collectives (a hang, or buffers broadcast into bucket
+        indices); through the inner module only the passes with autograd reach DDP, as before."""
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 

@@ -22,8 +22,12 @@ token in the loss (DAPO's overlong filter).
 Only where the zero is exact: an objective registered with ``inert_at_zero_advantage=True``,
 with no term outside Â·(...) in the loss (no KL-to-reference in the loss, no entropy bonus, no
 auxiliary loss such as a critic's) and no batch-wide selection over tokens (the high-entropy token
-mask; Clip-Cov and KL-Cov select over the batch and are not registered as inert); a single process
-(with data parallelism, every rank must take part in each backward's gradient all-reduce).
+mask; Clip-Cov and KL-Cov select over the batch and are not registered as inert); one process or
+plain DDP (``Distributed.allows_inert_rows``). Under DDP every rank must run exactly one backward
+outside ``no_sync`` per pass over the batch, where the gradient all-reduce happens: a rank whose
+rows are all inert trains one micro-batch of them (exactly zero gradient), and under ``skip`` the
+metrics' token count is the global batch's. FSDP and DeepSpeed ZeRO-3 run a collective in every
+forward and backward, so ranks would have to run the same passes in lockstep: refused there.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def inert_rows(algo, advantages: torch.Tensor, response_mask: torch.Tensor, kl_c
                mode: str, distributed: bool) -> Optional[torch.Tensor]:
     """A [B] bool tensor, True for the rows whose loss terms are exactly zero, or None when the
     update must treat every row alike (``mode='train'``, or the conditions in the module docstring
-    do not hold)."""
+    do not hold). ``distributed``: a data-parallel setup where leaving passes out is not safe."""
     if mode not in MODES:
         raise ValueError(f"trainer.zero_advantage_rows must be one of {MODES} (got {mode!r})")
     cfg = algo.cfg

@@ -233,9 +233,11 @@ class Checkpointer:
         set_rng_state(ranks[self.dist.rank % len(ranks)])  # last: nothing above draws from them
         self.last_saved_step = step
         if step >= self.cfg.trainer.steps:
+            # The loop then runs no step and goes straight to the end-of-run work: this is how a run
+            # stopped by a signal during its last step (see after_step) is finished.
             self.progress.write(f"resumed from {path} at step {step}, which already reaches "
-                                f"trainer.steps={self.cfg.trainer.steps}: no step left to train "
-                                f"(raise trainer.steps to train longer)")
+                                f"trainer.steps={self.cfg.trainer.steps}: no step left to train, running only "
+                                f"the end-of-run work ({self._end_work()}; raise trainer.steps to train longer)")
         else:
             self.progress.write(f"resumed from {path}: continuing at step {step + 1} of {self.cfg.trainer.steps}")
         return step
@@ -258,11 +260,25 @@ class Checkpointer:
             raise RunStopped(f"{self.guard.stop_message(step)}\nlast checkpoint: {path}", path, exit_code=3)
         if self.dist.any(self.stop.requested):  # a signal to one rank stops them all, together
             path = self._save_once(step)
-            name = signal.Signals(self.stop.signum).name
+            # The signal may have reached another rank only (this one's signum is then None): every
+            # rank reports, and exits with, the first rank's that got one.
+            signum = next(s for s in self.dist.gather_objects(self.stop.signum) if s is not None)
+            name = signal.Signals(signum).name
             self._close()
-            raise RunStopped(f"stopped by {name} after step {step}; checkpoint: {path}\n"
+            # After the last step the run still stops here: the end-of-run work (a held-out eval
+            # can take minutes) would outlast a scheduler's grace period between SIGTERM and
+            # SIGKILL. Resuming this checkpoint trains nothing and runs that work alone.
+            last = (f"; all {self.cfg.trainer.steps} steps are trained, resuming runs only the end-of-run "
+                    f"work ({self._end_work()})" if step >= self.cfg.trainer.steps else "")
+            raise RunStopped(f"stopped by {name} after step {step}; checkpoint: {path}{last}\n"
                              f"resume with:\n  {resume_command(self.cfg, self.run.path)}",
-                             path, exit_code=128 + self.stop.signum)
+                             path, exit_code=128 + signum)
+
+    def _end_work(self) -> str:
+        """What the loop does after its last step, as the messages name it."""
+        t = self.cfg.trainer
+        return ", ".join((["eval_after"] if t.eval_after else []) + (["final/"] if t.save_final else [])
+                         + ["summary.json"])
 
     def _close(self) -> None:
         self.progress.close()

@@ -96,23 +96,44 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                      whole_groups="whole_groups" in algo.needs)
     plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, micro_batch_tokens,
                               **plan_args)
-    # (micro-batch, takes a backward pass). Sequences with no share in the gradient get a forward pass
-    # without gradient for the metrics, or none (trainer/inert_rows.py).
-    inert = inert_rows(algo, advantages, resp_mask, kl_coef, zero_advantage_rows, dist is not None)
+    # (micro-batch, takes a backward pass, counts in the metrics). Sequences with no share in the
+    # gradient get a forward pass without gradient for the metrics, or none (trainer/inert_rows.py).
+    inert = inert_rows(algo, advantages, resp_mask, kl_coef, zero_advantage_rows,
+                       dist is not None and not dist.allows_inert_rows(model))
     metric_tokens = scale.total_tokens  # the response tokens the metrics' means are over
+    # Data parallel (DDP): each rank must run exactly one backward outside no_sync, its last pass,
+    # for the gradient all-reduce to pair up across ranks. A rank whose rows are all inert trains one
+    # micro-batch of them anyway: Â = 0 (or no loss token) makes its gradient exactly zero.
+    must_train = dist is not None and dist.world_size > 1
+    skip_metrics = True  # skip mode: whether the forced pass's metrics (at weight 0) keep the keys
     if inert is not None:
         inert = inert.cpu()
-    if inert is None or not inert.any():  # every row trains: the plan above as it is
-        passes = [(mb, True) for mb in plan]
-    else:
-        live = plan_rows(torch.nonzero(~inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask,
-                         micro_batch_size, micro_batch_tokens, **plan_args)
-        idle = [] if zero_advantage_rows == "skip" else plan_rows(
-            torch.nonzero(inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask, micro_batch_size,
-            micro_batch_tokens, **plan_args)
-        passes = [(mb, False) for mb in idle] + [(mb, True) for mb in live]
         if zero_advantage_rows == "skip":
-            metric_tokens = max(resp_mask[~inert.to(device)].sum().item(), 1.0)
+            live_tokens = resp_mask[~inert.to(device)].sum().item()
+            if dist is None:
+                metric_tokens = max(live_tokens, 1.0)
+            else:  # the global batch's trained tokens, over W as in batch_scale (every rank calls this)
+                live_tokens = dist.all_reduce_sum(torch.tensor([live_tokens], dtype=torch.float64))[0].item()
+                metric_tokens = max(live_tokens, 1.0) / dist.world_size
+            # No rank trains a sequence: the metrics are left out everywhere, as in one process;
+            # otherwise every rank needs the same metric keys for the all-reduce of mean_metrics.
+            skip_metrics = live_tokens > 0
+    if inert is None or not inert.any():  # every row trains: the plan above as it is
+        passes = [(mb, True, True) for mb in plan]
+    else:
+        live = [] if inert.all() else plan_rows(torch.nonzero(~inert).squeeze(-1), rollout.prompt_mask,
+                                                rollout.response_mask, micro_batch_size, micro_batch_tokens,
+                                                **plan_args)
+        idle = plan_rows(torch.nonzero(inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask,
+                         micro_batch_size, micro_batch_tokens, **plan_args)
+        if zero_advantage_rows == "skip":
+            passes = [(mb, True, True) for mb in live]
+            if not live and must_train:
+                passes = [(idle[0], True, False)]
+        else:
+            passes = [(mb, False, True) for mb in idle] + [(mb, True, True) for mb in live]
+            if not live and must_train:  # same metrics with or without autograd
+                passes[-1] = (idle[-1], True, True)
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
@@ -140,12 +161,14 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         epoch_loss, backward_ran = 0.0, False
-        for i, (mb, trains) in enumerate(passes):  # fixed-size (whole groups) in input order, or packed by tokens
+        for i, (mb, trains, counts) in enumerate(passes):  # fixed-size (whole groups) in input order, or packed by tokens
             sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(passes) - 1)
             grad_mode = contextlib.nullcontext() if trains else torch.no_grad()
+            # A pass without autograd never goes through DDP's wrapper (Distributed.forward_only).
+            fwd_model = model if trains or dist is None else dist.forward_only(model)
             with sync, grad_mode:  # DDP: no gradient all-reduce before the last micro-batch's backward
                 sl = mb.rows.to(device)
-                fo = forward_micro_batch(model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share_prefix,
+                fo = forward_micro_batch(fwd_model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share_prefix,
                                          entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs)
                 m = resp_mask[sl]
                 ctx = LossContext(cfg=cfg, aggregate=agg, ref_log_prob=None if ref_lp is None else ref_lp[sl],
@@ -179,9 +202,13 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             epoch_loss += metrics["loss"]
             for key, value in update_diagnostics(fo.log_probs.detach(), old, adv, fo.entropy.detach(), m).items():
                 metrics.setdefault(key, value)  # an objective's own clip_frac/approx_kl win
+            if not counts and not skip_metrics:
+                continue
             for key, value in metrics.items():
-                # "loss" already carries the full-batch normalizer: it adds up, others average.
-                totals[key] = totals.get(key, 0.0) + (value if key == "loss" else value * share)
+                # "loss" already carries the full-batch normalizer: it adds up, others average. A
+                # pass that only keeps DDP's ranks in step adds nothing but its keys.
+                value = (value if key == "loss" else value * share) if counts else 0.0
+                totals[key] = totals.get(key, 0.0) + value
         if not backward_ran:
             # No sequence had a share in the gradient: it is zero, as a backward pass would have
             # left it, and the optimizer steps on it as before (Adam's moments still decay).
