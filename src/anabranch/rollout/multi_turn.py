@@ -28,21 +28,23 @@ calls that returned an error, the share of response tokens that are tool output,
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
+import time
 from typing import Optional
 
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig, TaskConfig
 from anabranch.rollout.base import Rollout
-from anabranch.rollout.tools import Tool, ToolError, build_tools, tool_instructions
+from anabranch.rollout.tools import RESULT_TAG, Tool, ToolError, build_tools, tool_instructions
 
 log = logging.getLogger(__name__)
 
-RESULT_TAG = "result"
 NO_CALLS_LEFT = "error: no tool calls left"
+MAX_PARALLEL_CALLS = 8  # tool calls running at once (python calls are sandbox processes)
 
 
 def result_text(output: str) -> str:
@@ -120,26 +122,48 @@ class ToolUseBackend:
             return f"error: {type(exc).__name__}: {exc}", True
 
     def _run_all(self, calls: list[tuple[Tool, Optional[str]]]) -> list[tuple[str, bool]]:
-        if not calls:
-            return []
+        """The calls' (output, is error), in order. Each call runs on its own daemon thread, at most
+        :data:`MAX_PARALLEL_CALLS` at once, and gets ``rollout.tool_timeout_s`` from its own start: a
+        call still running then is answered with a time-out error and abandoned (a thread cannot be
+        killed), which frees its slot for the calls waiting. Daemon threads, so that a tool that never
+        returns does not keep the process from exiting."""
         timeout = self.cfg.tool_timeout_s
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(calls), 8), thread_name_prefix="tool")
-        futures = [pool.submit(self._run, tool, arg) for tool, arg in calls]
-        out = []
-        for f in futures:
+        out: list = [None] * len(calls)
+        done: queue.SimpleQueue = queue.SimpleQueue()  # (call index, result) as calls finish
+        waiting = list(range(len(calls)))[::-1]        # popped from the end: call order
+        running: dict[int, float] = {}                 # call index -> its deadline
+
+        def work(k: int, tool: Tool, arg: Optional[str]) -> None:
+            result = (f"error: {tool.name} stopped without an output", True)
             try:
-                out.append(f.result(timeout=timeout))
-            except concurrent.futures.TimeoutError:  # abandoned: a thread cannot be killed
-                out.append((f"error: timed out after {timeout:g} s", True))
-        pool.shutdown(wait=False, cancel_futures=True)
+                result = self._run(tool, arg)
+            finally:  # also when the tool raises SystemExit, which _run lets through
+                done.put((k, result))
+
+        while waiting or running:
+            while waiting and len(running) < MAX_PARALLEL_CALLS:
+                k = waiting.pop()
+                threading.Thread(target=work, args=(k, *calls[k]), daemon=True, name=f"tool-{calls[k][0].name}").start()
+                running[k] = time.monotonic() + timeout
+            try:
+                k, result = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+            except queue.Empty:
+                now = time.monotonic()
+                for k in [k for k, deadline in running.items() if deadline <= now]:
+                    del running[k]
+                    out[k] = (f"error: timed out after {timeout:g} s", True)
+                continue
+            if k in running:  # else the late answer of a call already given up on
+                del running[k]
+                out[k] = result
         return out
 
     def output_ids(self, output: str) -> list[int]:
         """The tokens of a tool's result block, the output cut to ``rollout.tool_output_max_tokens``."""
         tok, limit = self.tokenizer, self.cfg.tool_output_max_tokens
-        ids = _encode(tok, output)
-        if len(ids) > limit:
-            output = tok.decode(ids[:limit], skip_special_tokens=False) + " ...(truncated)"
+        ids, cut = _head_ids(tok, output, limit)
+        if cut:
+            output = tok.decode(ids, skip_special_tokens=False) + " ...(truncated)"
         return _encode(tok, result_text(output))
 
     # ------------------------------------------------------------------ generation
@@ -248,6 +272,18 @@ def _encode(tok, text: str) -> list[int]:
         return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     except TypeError:  # a tokenizer without that option
         return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _head_ids(tok, text: str, limit: int) -> tuple[list[int], bool]:
+    """(the first ``limit`` tokens of ``text``, whether it has more). Only a prefix of the text is
+    tokenized, grown until it holds more than ``limit`` tokens: a tool may return megabytes (a program
+    printing in a loop), of which ``limit`` tokens are kept."""
+    chars = 16 * (limit + 1)
+    while True:
+        ids = _encode(tok, text[:chars])
+        if len(ids) > limit or chars >= len(text):
+            return ids[:limit], len(ids) > limit
+        chars *= 4
 
 
 def prompt_task(task: TaskConfig, cfg: RolloutConfig) -> TaskConfig:

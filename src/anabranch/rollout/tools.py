@@ -9,7 +9,8 @@ them: the built-in ``calculator`` and ``python``, or a user's ``package.module:f
   functions: ``sqrt abs round min max``), evaluated exactly as Python would, without ``eval``.
 * ``python``: a program run in the code sandbox (:mod:`anabranch.rewards.sandbox`: no network, no
   writes outside a scratch folder, time, memory and process limits); the output is what it prints,
-  plus the value of a final bare expression as a notebook cell shows it, or the exception it raised.
+  plus the value of a final bare expression as a notebook cell shows it, or the exception it raised
+  (a program printing more than 1 MiB is stopped; the model is shown the start of the output).
   This is the tool of tool-integrated reasoning RL (ToRL, Li et al. 2025, "ToRL: Scaling
   Tool-Integrated RL"; ReTool, Feng et al. 2025).
 """
@@ -26,6 +27,7 @@ from anabranch.config import ConfigError
 from anabranch.registry import Registry
 
 TOOLS: Registry = Registry("tool")
+RESULT_TAG = "result"  # tool outputs come back as <result>output</result> (rollout/multi_turn.py)
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,20 @@ class ToolError(Exception):
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max}
-# Bounds that keep one call cheap: 10**10**9 would take the trainer's process minutes and gigabytes.
+# Bounds that keep one call cheap: 10**10**9 would take the trainer's process minutes and gigabytes
+# (holding the GIL, so that the tool's deadline cannot even be noticed).
 MAX_EXPONENT = 1000
 MAX_DIGITS = 4300  # Python's own limit on int <-> str conversion
+
+
+def _round(*args):
+    # round(n, -k) on an int computes 10**k: round(1, -10**9) runs for minutes.
+    if len(args) == 2 and isinstance(args[1], int) and abs(args[1]) > MAX_DIGITS:
+        raise ToolError(f"round to {args[1]} digits is too many (at most {MAX_DIGITS})")
+    return round(*args)  # the built-in's own errors for other arguments
+
+
+_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": _round, "min": min, "max": max}
 
 
 def _evaluate(node: ast.AST):
@@ -134,23 +146,46 @@ def notebook_cell(code: str) -> str:
 def python_tool(timeout_s: float = 10.0) -> Tool:
     from anabranch.rewards.sandbox import SandboxLimits, run_tests
 
-    limits = SandboxLimits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)), output_kb=16)
+    # The program's whole output is kept (a file of at most 1 MiB, its stdout included; a program
+    # printing more is stopped, "killed before finishing"), so that the model is shown the head of a
+    # long output: with only the output's tail kept, print(list(range(10**4))) would show "7276, 7277,
+    # ...", as if that were the start.
+    # The sandbox's own wall clock ends before the call's deadline (rollout.tool_timeout_s, kept by
+    # the multi-turn loop), so that a program that runs too long is stopped by the sandbox and the
+    # model still sees what it printed before the time-out.
+    wall = max(0.5, min(0.8 * timeout_s, timeout_s - 0.5))
+    limits = SandboxLimits(wall_s=wall, cpu_s=max(1, int(wall)), fsize_mb=1, output_kb=1024)
 
     def run(code: str) -> str:
         res = run_tests(notebook_cell(_strip_fence(code)), [], limits=limits)
         out = res.program_stdout
         if res.timed_out:
-            return f"{out}error: timed out after {timeout_s:g} s".strip()
+            return _after(out, f"error: timed out after {wall:g} s")
         if res.error and not res.error.startswith("program raised"):
-            return f"{out}error: {res.error}".strip()
-        if res.error:  # the exception's last traceback line, as an interpreter prints it
-            last = [line for line in res.stderr.splitlines() if line.strip()]
-            return f"{out}{last[-1] if last else res.error}".strip()
+            return _after(out, f"error: {res.error}")
+        if res.error:  # the exception as an interpreter's last traceback line shows it
+            return _after(out, _exception_text(res.stderr, res.error.removeprefix("program raised ")))
         return out.rstrip("\n")
 
     return Tool("python", "runs a Python program and shows what it prints", run,
                 example=("What is the sum of the squares of 1 to 10?", "print(sum(i * i for i in range(1, 11)))",
                          "385"))
+
+
+def _after(out: str, line: str) -> str:
+    """The program's output, then ``line`` on a line of its own (a program may end without a newline)."""
+    out = out.rstrip("\n")
+    return f"{out}\n{line}" if out.strip() else line
+
+
+def _exception_text(stderr: str, name: str) -> str:
+    """The sandbox's report of the program's exception (its last ``Name: message`` line, written
+    after anything the program wrote to stderr), whole when the message has several lines."""
+    lines = stderr.rstrip("\n").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i] == name or lines[i].startswith(f"{name}: "):
+            return "\n".join(lines[i:])
+    return lines[-1] if lines else name
 
 
 def _strip_fence(code: str) -> str:
@@ -185,6 +220,8 @@ def build_tools(names: list, timeout_s: float = 10.0) -> list[Tool]:
             tool = Tool(factory.__name__, doc[0] if doc else f"the tool {factory.__name__}", factory)
         if not tool.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"{key}: the tag {tool.name!r} must be letters, digits, '_' or '-'")
+        if tool.name == RESULT_TAG:  # the policy's own "</result>" (it reads many) would call it
+            raise ConfigError(f"{key}: the tag {RESULT_TAG!r} is the one tool outputs come back in; rename the tool")
         if any(t.name == tool.name for t in tools):
             raise ConfigError(f"{key}: a second tool named {tool.name!r}")
         tools.append(tool)
