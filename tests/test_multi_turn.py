@@ -118,6 +118,7 @@ def test_a_call_is_answered_and_only_the_policys_tokens_are_trained():
     assert ro.sample_log_probs[0, :n1].eq(-0.5).all() and ro.sample_log_probs[0, n1:n1 + obs].eq(0).all()
     assert not ro.truncated.any()
     assert ro.metrics["tools/calls_mean"] == 1.0 and ro.metrics["tools/calculator/calls"] == 4.0
+    assert ro.metrics["time/tools_s"] > 0
     assert ro.metrics["tools/output_token_frac"] == pytest.approx(obs / len(expected))
     # turn 1: every row with the whole budget; turn 2: what is left
     assert backend.calls[0] == (4, [200] * 4, ["</calculator>"])

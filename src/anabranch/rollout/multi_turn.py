@@ -179,6 +179,7 @@ class ToolUseBackend:
         logps: list[list[float]] = [[] for _ in range(rows)]
         calls, errors, ended_eos = [0] * rows, [0] * rows, [False] * rows
         per_tool = {t.name: 0 for t in self.tools}
+        tools_s = 0.0  # wall time spent waiting for tools (part of the step's time/generate_s)
         active, has_logps = list(range(rows)), True
         turn = 0
         while active:
@@ -206,7 +207,9 @@ class ToolUseBackend:
                     ended_eos[i] = True
                 elif how == "call" and len(resp[i]) < budget:
                     pending.append((i, call))
+            t_tools = time.perf_counter()
             results = self._run_all([call for i, call in pending if calls[i] < cfg.max_tool_calls])
+            tools_s += time.perf_counter() - t_tools
             it = iter(results)
             for i, (tool, arg) in pending:
                 if calls[i] < cfg.max_tool_calls:
@@ -224,8 +227,10 @@ class ToolUseBackend:
                     still.append(i)
             active = still
             turn += 1
-        return self._rollout(prompts, enc, n, resp, trained, logps if has_logps else None, ended_eos,
-                             calls, errors, per_tool)
+        ro = self._rollout(prompts, enc, n, resp, trained, logps if has_logps else None, ended_eos,
+                           calls, errors, per_tool)
+        ro.metrics["time/tools_s"] = tools_s
+        return ro
 
     def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, calls, errors, per_tool) -> Rollout:
         tok = self.tokenizer
