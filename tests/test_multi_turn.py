@@ -14,7 +14,6 @@ from anabranch.config_loading import load_config
 from anabranch.models.loading import load_model
 from anabranch.models.logprobs import position_ids_from_mask
 from anabranch.models.tiny import char_tokenizer
-from anabranch.rollout.base import Rollout
 from anabranch.rollout.multi_turn import NO_CALLS_LEFT, ToolUseBackend, prompt_task, result_text, with_tools
 from anabranch.rollout.tools import ToolError, build_tools, calculate, notebook_cell, python_tool
 from anabranch.trainer.step import policy_update
@@ -89,7 +88,7 @@ class Scripted:
         self.calls.append((len(seqs), list(max_new), list(stop)))
         out = []
         for s, budget in zip(seqs, max_new):
-            k = TOK.decode(s, skip_special_tokens=False).count(f"<result>")
+            k = TOK.decode(s, skip_special_tokens=False).count("<result>")
             ids = TOK(self.script[min(k, len(self.script) - 1)], add_special_tokens=False)["input_ids"][:budget]
             out.append((ids, None if self.logprob is None else [self.logprob] * len(ids)))
         return out

@@ -55,6 +55,12 @@ from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from
 from anabranch.rollout.hf_generate import eos_token_ids
 
 
+def _sampled_log_probs(completion) -> list[float]:
+    """The engine's log-probs of a completion's tokens (each position's dict holds the sampled token,
+    and, were ``logprobs`` > 0, the top ones)."""
+    return [d[t].logprob if d else 0.0 for t, d in zip(completion.token_ids, completion.logprobs or [])]
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -344,6 +350,16 @@ class VLLMBackend:
                               f">= {VLLM_MIN_TEMPERATURE}")
         return sample
 
+    def _params(self, sample: bool, **kwargs):
+        """vLLM's SamplingParams for rollout.* (greedy when not ``sample``), EOS as the stop tokens and
+        the sampled tokens' log-probs returned; ``kwargs`` add the call's own settings."""
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=self.cfg.temperature if sample else 0.0,
+                              top_p=self.cfg.top_p if sample else 1.0,
+                              top_k=(self.cfg.top_k or -1) if sample else -1,
+                              stop_token_ids=self.eos_ids, logprobs=0, **kwargs)
+
     def continue_ids(self, sequences: list[list[int]], max_new: list[int], stop: list[str] = (),
                      greedy: bool = False, seed: int | None = None) -> list[tuple[list[int], list[float]]]:
         """Sample a continuation of each token sequence (a prompt and the response so far: the
@@ -352,14 +368,10 @@ class VLLMBackend:
         output). Returns each row's new tokens and the engine's log-probs of them. The tokens go in
         as ids, so nothing the model wrote is tokenized again. ``seed`` as in :meth:`generate` (on a
         GPU row ``i`` gets ``seed + i``, so equal sequences still get their own samples)."""
-        from vllm import SamplingParams
-
         self._check_lengths(sequences, list(max_new))
         sample = self._sampling(greedy)
-        params = [SamplingParams(
-            n=1, max_tokens=budget, temperature=self.cfg.temperature if sample else 0.0,
-            top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
-            stop_token_ids=self.eos_ids, stop=list(stop) or None, include_stop_str_in_output=True, logprobs=0,
+        params = [self._params(
+            sample, n=1, max_tokens=budget, stop=list(stop) or None, include_stop_str_in_output=True,
             seed=None if (self.on_cpu or seed is None) else seed + i, detokenize=bool(stop),
         ) for i, budget in enumerate(max_new)]
         with self._cpu_seeded(seed):
@@ -368,7 +380,7 @@ class VLLMBackend:
         for out in outs:
             comp = out.outputs[0]
             result.append((list(comp.token_ids),
-                           [d[t].logprob if d else 0.0 for t, d in zip(comp.token_ids, comp.logprobs or [])]))
+                           _sampled_log_probs(comp)))
         return result
 
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
@@ -376,8 +388,6 @@ class VLLMBackend:
         """``n`` samples of each prompt. ``seed``: vLLM's per-request seed on a GPU; on CPU the seed of
         torch's global generator for this call (forked: the caller's generator is left as it was),
         drawn from after the prefix cache is emptied, so the same call gives the same tokens."""
-        from vllm import SamplingParams
-
         tok = self.tokenizer
         max_new = max_new_tokens or self.cfg.max_new_tokens
         enc = tok(prompts, add_special_tokens=False)["input_ids"]
@@ -385,12 +395,8 @@ class VLLMBackend:
         sample = self._sampling(greedy)
         # vLLM refuses n > 1 with greedy decoding; the n greedy samples of a prompt are one, repeated.
         copies = 1 if sample else n
-        params = SamplingParams(
-            n=n // copies, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
-            temperature=self.cfg.temperature if sample else 0.0,
-            top_p=self.cfg.top_p if sample else 1.0, top_k=(self.cfg.top_k or -1) if sample else -1,
-            stop_token_ids=self.eos_ids, logprobs=0, seed=None if self.on_cpu else seed, detokenize=False,
-        )
+        params = self._params(sample, n=n // copies, max_tokens=max_new, min_tokens=min(self.cfg.min_new_tokens, max_new),
+                              seed=None if self.on_cpu else seed, detokenize=False)
         with self._cpu_seeded(seed):
             outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
         pad = tok.pad_token_id
@@ -398,8 +404,7 @@ class VLLMBackend:
         rows, lps = [], []
         for out in outs:
             for comp in sorted(out.outputs, key=lambda c: c.index):
-                # Each position's dict holds the sampled token (and, were logprobs > 0, the top ones).
-                lp = [d[t].logprob if d else 0.0 for t, d in zip(comp.token_ids, comp.logprobs or [])]
+                lp = _sampled_log_probs(comp)
                 rows += [list(comp.token_ids)] * copies
                 lps += [lp] * copies
         width_r = max(1, max(len(r) for r in rows))
