@@ -1,4 +1,9 @@
-"""Seeded prompt order over epochs, with a position that a checkpoint can store."""
+"""Seeded prompt order over epochs, with a position that a checkpoint can store.
+
+Epoch e of a run seeded s is the permutation of generator seed s + e, so seed 0's second epoch is
+seed 1's first: runs with neighbouring seeds share prompt orders (shifted by an epoch), while their
+samples differ. Kept as is because changing it would change every calibrated multi-epoch trajectory.
+"""
 
 from __future__ import annotations
 
