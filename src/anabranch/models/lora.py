@@ -102,10 +102,60 @@ def reference_policy(model, cfg: ModelConfig, load):
 
 
 def plain_model(model):
-    """A model ``save_pretrained`` writes as plain HF weights: LoRA merged into a copy, else itself."""
+    """A model ``save_pretrained`` writes as plain HF weights: LoRA merged into a copy, else itself.
+
+    A LoRA policy sharded with FSDP2 gives a weightless (meta-device) plain model of the same
+    architecture instead: merging its ``DTensor`` shards would run collectives on the one rank that
+    writes, and would hold only shards anyway. It is only the skeleton for ``save_pretrained``
+    (config, class, tied weights); the weights written are the ``state_dict`` passed with it, the
+    full merged ones from :func:`merge_full_state`."""
     if not is_peft(model):
         return model
+    from anabranch.trainer.sharded_state import is_fsdp2
+
+    if is_fsdp2(model):
+        from transformers import AutoModelForCausalLM
+
+        base = model.get_base_model()
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
     return copy.deepcopy(model).merge_and_unload()
+
+
+def merge_full_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA policy's full state dict (peft names, as gathered from FSDP2 shards) -> plain HF
+    names with every adapter merged, ``W + (α/r)·B A``: what ``model/`` and exports hold.
+
+    The sharded counterpart of :func:`merged_state_dict`, computed from full tensors on the rank
+    that writes, so no collective runs there. ``model`` supplies the layout (which layers carry
+    adapters, their scaling and active adapters), not the weights."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    prefix = next(name + "." for name, mod in model.named_modules() if mod is base)
+    deltas = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for a in (a for a in module.active_adapters if a in module.lora_A):
+            A = state[f"{prefix}{name}.lora_A.{a}.weight"]
+            B = state[f"{prefix}{name}.lora_B.{a}.weight"]
+            # The same product peft's get_delta_weight forms (fan_in_fan_out: GPT-2's Conv1D layout).
+            delta = (B @ A).T if module.fan_in_fan_out else B @ A
+            delta = delta * module.scaling[a]
+            deltas[name] = delta if name not in deltas else deltas[name] + delta
+    out = {}
+    for key, value in state.items():
+        key = key[len(prefix):] if key.startswith(prefix) else key
+        if ".lora_" in key:
+            continue
+        if ".base_layer." in key:
+            owner, _, leaf = key.partition(".base_layer.")
+            key = f"{owner}.{leaf}"
+            if leaf == "weight" and owner in deltas:
+                value = value + deltas[owner].to(value.dtype)
+        out[key] = value
+    return out
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

@@ -152,17 +152,29 @@ def discard_after(folder: Path, step: int) -> list[Path]:
 def adapter_state(model) -> dict | None:
     """The trainable tensors of a LoRA policy (peft names), saved under ``"adapter"``; None for a
     plain model. ``model/`` holds the adapters merged into the base weights, which cannot be split
-    back into base and adapters, so resuming a LoRA run restores these instead."""
+    back into base and adapters, so resuming a LoRA run restores these instead.
+
+    Sharded with FSDP2, each parameter is a ``DTensor`` shard and its full tensor is gathered: a
+    collective, so every rank must call this, in the same order (as for the rest of the state)."""
     from anabranch.models.lora import is_peft
 
     if not is_peft(model):
         return None
-    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            out[name] = t.to("cpu", copy=True)
+    return out
 
 
 def load_adapter_state(model, state: dict) -> None:
     """Copy saved LoRA tensors into ``model`` in place (the frozen base weights come from
-    ``model.path``, as in the run that wrote them); the names must match exactly."""
+    ``model.path``, as in the run that wrote them); the names must match exactly. Under FSDP2 every
+    rank passes the same full tensors and keeps its own shard of each (a collective)."""
+    from anabranch.trainer.sharded_state import is_fsdp2, load_full_params
+
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if set(state) != set(params):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
@@ -173,6 +185,10 @@ def load_adapter_state(model, state: dict) -> None:
             if p.shape != state[name].shape:
                 raise ValueError(f"LoRA tensor {name} has shape {tuple(state[name].shape)} in the checkpoint "
                                  f"and {tuple(p.shape)} in this run: model.lora.r or the model differ")
+        if is_fsdp2(model):  # DTensor shards: the same slicing as the other full states take
+            load_full_params(model, state)
+            return
+        for name, p in params.items():
             p.copy_(state[name])
 
 
@@ -187,7 +203,7 @@ def load_model_weights(model, path: Path, trainer_state: dict | None = None) -> 
     from anabranch.models.lora import is_peft
     from anabranch.trainer.sharded_state import is_fsdp2, load_full_model_state
 
-    if is_peft(model) and not is_fsdp2(model):
+    if is_peft(model):
         adapters = (trainer_state or {}).get("adapter")
         if adapters is None:
             raise ValueError(f"{path} holds no LoRA adapter weights (only merged ones): it was written by a run "

@@ -138,7 +138,8 @@ class Distributed:
 
         if is_peft(c.model):
             raise ConfigError("LoRA (model.lora.r > 0) with FSDP or DeepSpeed ZeRO-3 is not supported: "
-                              "merging sharded adapters for export is not implemented; use DDP "
+                              "sampling from a sharded LoRA policy and its adapter-off KL reference are not "
+                              "checked (FSDP2 checkpoints and exports of it are: docs/distributed.md); use DDP "
                               "(configs/accelerate/multi_gpu_ddp.yaml) or ZeRO-2 with LoRA")
         if c.cfg.trainer.micro_batch_tokens > 0:
             # Every forward of a sharded model is a collective, so all ranks must run the same

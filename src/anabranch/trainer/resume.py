@@ -137,7 +137,8 @@ class Checkpointer:
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "modules": module_states(c.modules),
-            "adapter": None if is_fsdp2(c.model) else adapter_state(c.model),  # LoRA: model/ is merged
+            # LoRA: model/ is merged. Under FSDP2 a collective that gathers the adapters' shards.
+            "adapter": adapter_state(c.model),
             "history": list(self.result.history),
             "accuracy_before": self.result.accuracy_before,
             "nonfinite": self.guard.state_dict(),

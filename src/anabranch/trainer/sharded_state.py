@@ -51,13 +51,19 @@ class _WithHeads(torch.nn.Module):
 
 
 def full_model_state(dist, model) -> dict | None:
-    """The policy's full state dict on rank 0 (``{}`` elsewhere); ``None`` when it is not sharded."""
+    """The policy's full state dict on rank 0 (``{}`` elsewhere); ``None`` when it is not sharded.
+
+    A LoRA policy's is merged (plain HF names, ``W + (α/r)·B A``), like the ``model/`` folder of
+    an unsharded LoRA run; its unmerged adapters are saved apart (checkpoint.adapter_state)."""
     if not dist.sharded:
         return None
     if is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(model, options=_options(cpu_offload=True))
+        from anabranch.models.lora import is_peft, merge_full_state
+
+        state = get_model_state_dict(model, options=_options(cpu_offload=True))
+        return merge_full_state(model, state) if state and is_peft(model) else state
     state = dist.accelerator.get_state_dict(dist.policy(model))  # DeepSpeed ZeRO-3
     return state if dist.is_main else {}
 
@@ -77,6 +83,16 @@ def load_full_model_state(model, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_options())
+
+
+def load_full_params(model, state: dict) -> None:
+    """Give every rank its shard of some of the parameters (full tensors, the same on all ranks),
+    leaving the others as they are: a LoRA policy's adapters over the base weights it loaded."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    result = set_model_state_dict(model, state, options=_options(strict=False))
+    if result.unexpected_keys:  # the caller checked names; strict=False must not hide a stray key
+        raise ValueError(f"parameters not in the model: {sorted(result.unexpected_keys)[:3]}")
 
 
 def load_full_optimizer_state(model, optimizer, heads: dict, state: dict) -> None:
