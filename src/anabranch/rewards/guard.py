@@ -25,6 +25,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -219,10 +220,24 @@ def _in_process(fn, args, kwargs, n, timeout):
     return payload
 
 
+# The deadline of the reward call running on this thread (thread isolation only): an abandoned call
+# cannot be killed, but a long one can see that it was abandoned and stop (deadline_passed).
+_call_deadline = threading.local()
+
+
+def deadline_passed() -> bool:
+    """True inside a reward call under thread isolation once the guard has given up on it. A reward
+    that works in units (batches) and holds something shared checks it between units and stops: an
+    abandoned call would otherwise hold it for the rest of its work, and the next call would wait."""
+    at = getattr(_call_deadline, "at", None)
+    return at is not None and time.monotonic() > at
+
+
 def _in_thread(fn, args, kwargs, n, timeout):
     box: dict = {}
 
     def run():
+        _call_deadline.at = time.monotonic() + timeout
         try:
             box["out"] = _call(fn, args, kwargs, n)
         except BaseException as exc:  # noqa: BLE001

@@ -27,7 +27,7 @@ import re
 import threading
 from functools import lru_cache
 
-from anabranch.rewards.guard import RewardOutput
+from anabranch.rewards.guard import RewardOutput, deadline_passed
 from anabranch.rewards.registry import REWARDS
 
 DEFAULT_TEMPLATE = (
@@ -86,6 +86,8 @@ def judge_generate(texts: list[str], model_path: str, max_new_tokens: int = 16, 
     outs = []
     with _lock, torch.no_grad():  # one judge model shared by threads
         for s in range(0, len(texts), batch_size):
+            if deadline_passed():  # the guard gave up on this call: free the judge for the next one
+                raise TimeoutError(f"the reward's deadline passed after {s} of {len(texts)} judge prompts")
             enc = tok(texts[s:s + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
             outs.extend(tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
