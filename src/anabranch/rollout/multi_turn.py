@@ -22,8 +22,11 @@ metrics leave them out, while the model reads them in every forward pass (``resp
 them). Masking the observation tokens out of the loss is what ToRL, ReTool and Search-R1 (Jin et
 al. 2025) do. The reward functions see the whole transcript (``completions``), tool outputs included.
 
-Metrics (``tools/...``): calls per response, the fraction of responses with a call, the fraction of
-calls that returned an error, the share of response tokens that are tool output, and calls per tool.
+Metrics (``tools/...``): calls per response (``calls_mean``: every call the policy wrote, those
+refused past the limit included), the fraction of responses with a call, the fraction of run calls
+that returned an error, the share of response tokens that are tool output, and the calls run per
+tool (``tools/<name>/calls``); ``time/tools_s``, the wall time spent waiting for tools. Under
+dynamic sampling they are the last generated round's, as the reward metrics are.
 """
 
 from __future__ import annotations
