@@ -136,12 +136,14 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             evaluate(f"step{step}", step)
         ckpt.after_step(step)  # periodic save; on a signal or NaN streak: save and raise RunStopped
     progress.close()
-    if cfg.trainer.eval_after:
-        result.accuracy_after = evaluate("after", cfg.trainer.steps)
+    # The trained weights reach disk before the held-out eval, which can take minutes: a run killed
+    # during it (a scheduler's SIGKILL after its grace period) keeps final/.
     if cfg.trainer.save_final:
         full = full_model_state(dist, c.model)  # a sharded policy's weights, gathered (all ranks)
         if dist.is_main:
             result.final_model_dir = export_hf(c.model, c.tokenizer, run.path / "final", state_dict=full)
+    if cfg.trainer.eval_after:
+        result.accuracy_after = evaluate("after", cfg.trainer.steps)
     run.write_json("summary.json", {"accuracy_before": result.accuracy_before,
                                     "accuracy_after": result.accuracy_after, "steps": cfg.trainer.steps,
                                     "model_collapse": collapse_report(run.path / "metrics.jsonl",
