@@ -144,9 +144,14 @@ def merge_full_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.T
             delta = (B @ A).T if module.fan_in_fan_out else B @ A
             delta = delta * module.scaling[a]
             deltas[name] = delta if name not in deltas else deltas[name] + delta
+    return _merged_plain(((k[len(prefix):] if k.startswith(prefix) else k, v) for k, v in state.items()), deltas)
+
+
+def _merged_plain(items, deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base-model state ``items`` (peft names) -> plain HF names, the adapter tensors dropped and each
+    adapted layer's weight plus its delta (``deltas``: layer name -> the summed (α/r)·B A)."""
     out = {}
-    for key, value in state.items():
-        key = key[len(prefix):] if key.startswith(prefix) else key
+    for key, value in items:
         if ".lora_" in key:
             continue
         if ".base_layer." in key:
@@ -175,14 +180,4 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
             active = [a for a in module.active_adapters if a in module.lora_A]
             if active:
                 deltas[name] = sum(module.get_delta_weight(a) for a in active)
-    out = {}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        if ".base_layer." in key:
-            owner, _, leaf = key.partition(".base_layer.")
-            key = f"{owner}.{leaf}"
-            if leaf == "weight" and owner in deltas:
-                value = value + deltas[owner].to(value.dtype)
-        out[key] = value.detach()
-    return out
+    return _merged_plain(((k, v.detach()) for k, v in base.state_dict().items()), deltas)

@@ -43,11 +43,10 @@ def normalize_text(text: str) -> str:
     return text.translate(_NORMALIZE)
 
 
-def extract_boxed(text: str | None) -> str | None:
+def _extract_boxed(text: str | None) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; ``None`` if absent."""
     if not text:
         return None
-    text = normalize_text(text)
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
@@ -71,11 +70,10 @@ def extract_boxed(text: str | None) -> str | None:
     return None  # unbalanced
 
 
-def extract_answer_tag(text: str | None) -> str | None:
+def _extract_answer_tag(text: str | None) -> str | None:
     """Content of the last ``<answer>...</answer>`` block."""
     if not text:
         return None
-    text = normalize_text(text)
     # rfind rather than a lazy regex: linear even on "<answer>" repeated without a closing tag.
     lower = text.lower()
     end = lower.rfind("</answer>")
@@ -83,7 +81,7 @@ def extract_answer_tag(text: str | None) -> str | None:
     return text[start + len("<answer>"):end].strip() if start >= 0 else None
 
 
-def extract_answer_line(text: str | None) -> str | None:
+def _extract_answer_line(text: str | None) -> str | None:
     """What follows the last "Answer:" / "answer is" on its line, up to the end of that sentence.
 
     "Final Answer: The final answer is $7$. I hope it is correct." gives "7" (the last lead-in,
@@ -91,7 +89,6 @@ def extract_answer_line(text: str | None) -> str | None:
     """
     if not text:
         return None
-    text = normalize_text(text)
     leads = list(_ANSWER_LEAD.finditer(text))
     for k in range(len(leads) - 1, -1, -1):
         # Up to the next lead-in, the end of the line and the end of the sentence: each character
@@ -106,15 +103,29 @@ def extract_answer_line(text: str | None) -> str | None:
     return None
 
 
-def extract_last_number(text: str | None) -> str | None:
+def _extract_last_number(text: str | None) -> str | None:
     """The last number in the text (thousands separators removed), or ``None``."""
     if not text:
         return None
-    text = normalize_text(text)
     last = None
     for last in _NUMBER.finditer(text):
         pass
     return last.group(0).replace(",", "") if last else None
+
+
+def _on_normalized(raw):
+    """The public extractor: ``raw`` (which expects normalized text) applied to normalize_text(text)."""
+    def extractor(text: str | None) -> str | None:
+        return raw(normalize_text(text)) if text else None
+
+    extractor.__name__, extractor.__doc__ = raw.__name__.lstrip("_"), raw.__doc__
+    return extractor
+
+
+extract_boxed = _on_normalized(_extract_boxed)
+extract_answer_tag = _on_normalized(_extract_answer_tag)
+extract_answer_line = _on_normalized(_extract_answer_line)
+extract_last_number = _on_normalized(_extract_last_number)
 
 
 def extract_answer(text: str | None) -> str | None:
@@ -126,10 +137,13 @@ def extract_answer(text: str | None) -> str | None:
     prompts ask for: a ``\\boxed{}`` earlier in the reasoning is then an intermediate result. This
     is the one order used by every reward and diagnostic that extracts an answer (reasoning_gym,
     majority_vote, eval); math_verify gives the tag the same precedence (``rewards/math_answer.py``)."""
-    tag = extract_answer_tag(text)
+    if not text:
+        return None
+    text = normalize_text(text)  # once, for every extractor below
+    tag = _extract_answer_tag(text)
     if tag:
-        return extract_boxed(tag) or tag
-    for fn in (extract_boxed, extract_answer_line, extract_last_number):
+        return _extract_boxed(tag) or tag
+    for fn in (_extract_boxed, _extract_answer_line, _extract_last_number):
         found = fn(text)
         if found:
             return found

@@ -80,6 +80,19 @@ class Rollout:
         return self.response_mask * self.loss_mask.to(self.response_mask.dtype)
 
 
+def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), each [len(sequences), longest], the sequences padded on the left with
+    ``pad``: every row's next token is at the same column (prompts, and continuations of responses)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
 def response_mask_from_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask through the first EOS (inclusive); rows with no EOS are truncated."""
     is_eos = torch.zeros_like(response_ids, dtype=torch.bool)

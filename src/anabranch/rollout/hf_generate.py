@@ -13,7 +13,7 @@ import torch
 
 from anabranch.config import RolloutConfig
 from anabranch.models.shared_prefix import shared_prompt_cache
-from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos, seeded_torch
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, left_padded, response_mask_from_eos, seeded_torch
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -110,12 +110,8 @@ class HFGenerateBackend:
         raw new tokens of each row (cut at its budget, not at EOS or a stop string: the caller cuts)
         and no sampling log-probs (the sampler is the trained model itself)."""
         tok = self.tokenizer
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, seq in enumerate(sequences):  # left-padded: every continuation starts at the same column
-            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
+        ids, mask = left_padded(sequences, tok.pad_token_id)
+        width = ids.shape[1]
         kwargs = self._generation_kwargs(greedy, max(max_new), 0)
         if stop:
             kwargs.update(stop_strings=list(stop), tokenizer=tok)

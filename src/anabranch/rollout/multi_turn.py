@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig, TaskConfig
-from anabranch.rollout.base import Rollout
+from anabranch.rollout.base import Rollout, left_padded
 from anabranch.rollout.tools import RESULT_TAG, Tool, ToolError, build_tools, tool_instructions
 
 log = logging.getLogger(__name__)
@@ -238,12 +238,7 @@ class ToolUseBackend:
     def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, calls, errors, per_tool) -> Rollout:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
-        width_p = max(len(ids) for ids in enc)
-        prompt_ids = torch.full((len(enc), width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((len(enc), width_p), dtype=torch.long)
-        for i, ids in enumerate(enc):  # left-padded, as the backends do
-            prompt_ids[i, width_p - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            prompt_mask[i, width_p - len(ids):] = 1
+        prompt_ids, prompt_mask = left_padded(enc, pad)  # as the backends give them
         rows, width_r = len(resp), max(1, max(len(r) for r in resp))
         response_ids = torch.full((rows, width_r), pad, dtype=torch.long)
         response_mask = torch.zeros((rows, width_r), dtype=torch.long)

@@ -51,7 +51,7 @@ import torch
 
 from anabranch.config import ConfigError, RolloutConfig
 from anabranch.rollout import vllm_cpu_sampler
-from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, response_mask_from_eos, seeded_torch
+from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, left_padded, response_mask_from_eos, seeded_torch
 from anabranch.rollout.hf_generate import eos_token_ids
 
 
@@ -400,7 +400,6 @@ class VLLMBackend:
         with self._cpu_seeded(seed):
             outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params, use_tqdm=False)
         pad = tok.pad_token_id
-        width_p = max(len(ids) for ids in enc)
         rows, lps = [], []
         for out in outs:
             for comp in sorted(out.outputs, key=lambda c: c.index):
@@ -413,11 +412,7 @@ class VLLMBackend:
         for i, (r, lp) in enumerate(zip(rows, lps)):
             response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
             sample_lp[i, :len(lp)] = torch.tensor(lp)
-        prompt_ids = torch.full((len(enc), width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((len(enc), width_p), dtype=torch.long)
-        for i, ids in enumerate(enc):  # left-padded, as the HF backend does
-            prompt_ids[i, width_p - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            prompt_mask[i, width_p - len(ids):] = 1
+        prompt_ids, prompt_mask = left_padded(enc, pad)  # as the HF backend does
         response_mask, truncated = response_mask_from_eos(response_ids, self.eos_ids)
         response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
         completions = [tok.decode(row[m.bool()], skip_special_tokens=True)

@@ -32,7 +32,7 @@ forward and backward, so ranks would have to run the same passes in lockstep: re
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -54,3 +54,26 @@ def inert_rows(algo, advantages: torch.Tensor, response_mask: torch.Tensor, kl_c
         return None
     # `!= 0` rather than an absolute tolerance: a tiny non-zero advantage still has a gradient.
     return ((advantages != 0) & (response_mask > 0)).sum(-1) == 0
+
+
+def plan_passes(plan: list, inert: Optional[torch.Tensor], mode: str, must_train: bool,
+                plan_rows: Callable[[torch.Tensor], list]) -> list[tuple]:
+    """The update's passes as ``(micro-batch, takes a backward pass, counts in the metrics)``.
+
+    ``plan``: the micro-batches of every row; ``inert``: :func:`inert_rows`'s answer (on the CPU);
+    ``plan_rows(rows)``: the micro-batches of those rows. ``must_train`` (DDP with several ranks): a
+    rank whose rows are all inert still runs one backward, on inert rows (an exactly zero gradient),
+    so that every rank takes part in the gradient all-reduce; under ``skip`` that pass adds nothing
+    to the metrics but their keys."""
+    if inert is None or not inert.any():  # every row trains: the plan as it is
+        return [(mb, True, True) for mb in plan]
+    live = [] if inert.all() else plan_rows(torch.nonzero(~inert).squeeze(-1))
+    if mode == "skip":
+        if live or not must_train:
+            return [(mb, True, True) for mb in live]
+        return [(plan_rows(torch.nonzero(inert).squeeze(-1))[0], True, False)]
+    idle = plan_rows(torch.nonzero(inert).squeeze(-1))
+    passes = [(mb, False, True) for mb in idle] + [(mb, True, True) for mb in live]
+    if not live and must_train:  # the same metrics with or without autograd
+        passes[-1] = (idle[-1], True, True)
+    return passes

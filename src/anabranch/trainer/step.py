@@ -25,7 +25,7 @@ from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
 from anabranch.rollout.importance import sampler_correction
-from anabranch.trainer.inert_rows import inert_rows
+from anabranch.trainer.inert_rows import inert_rows, plan_passes
 from anabranch.trainer.microbatch import forward_micro_batch, micro_batches, plan_micro_batches, plan_rows  # noqa: F401
 
 
@@ -101,9 +101,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     inert = inert_rows(algo, advantages, resp_mask, kl_coef, zero_advantage_rows,
                        dist is not None and not dist.allows_inert_rows(model))
     metric_tokens = scale.total_tokens  # the response tokens the metrics' means are over
-    # Data parallel (DDP): each rank must run exactly one backward outside no_sync, its last pass,
-    # for the gradient all-reduce to pair up across ranks. A rank whose rows are all inert trains one
-    # micro-batch of them anyway: Â = 0 (or no loss token) makes its gradient exactly zero.
+    # DDP: every rank runs exactly one backward outside no_sync, its last pass (plan_passes).
     must_train = dist is not None and dist.world_size > 1
     skip_metrics = True  # skip mode: whether the forced pass's metrics (at weight 0) keep the keys
     if inert is not None:
@@ -118,22 +116,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             # No rank trains a sequence: the metrics are left out everywhere, as in one process;
             # otherwise every rank needs the same metric keys for the all-reduce of mean_metrics.
             skip_metrics = live_tokens > 0
-    if inert is None or not inert.any():  # every row trains: the plan above as it is
-        passes = [(mb, True, True) for mb in plan]
-    else:
-        live = [] if inert.all() else plan_rows(torch.nonzero(~inert).squeeze(-1), rollout.prompt_mask,
-                                                rollout.response_mask, micro_batch_size, micro_batch_tokens,
-                                                **plan_args)
-        idle = plan_rows(torch.nonzero(inert).squeeze(-1), rollout.prompt_mask, rollout.response_mask,
-                         micro_batch_size, micro_batch_tokens, **plan_args)
-        if zero_advantage_rows == "skip":
-            passes = [(mb, True, True) for mb in live]
-            if not live and must_train:
-                passes = [(idle[0], True, False)]
-        else:
-            passes = [(mb, False, True) for mb in idle] + [(mb, True, True) for mb in live]
-            if not live and must_train:  # same metrics with or without autograd
-                passes[-1] = (idle[-1], True, True)
+    passes = plan_passes(plan, inert, zero_advantage_rows, must_train,
+                         lambda rows: plan_rows(rows, rollout.prompt_mask, rollout.response_mask, micro_batch_size,
+                                                micro_batch_tokens, **plan_args))
     ref_lp = pre.get("ref_log_prob")
     if ref_lp is not None:
         ref_lp = ref_lp.to(device)
