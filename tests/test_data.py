@@ -86,6 +86,25 @@ def test_unknown_task_name():
         load_task(TaskConfig(name="basic_arithmatic"))
 
 
+def test_a_broken_reasoning_gym_install_is_reported_as_such(monkeypatch):
+    # Seen on a GPU machine whose reasoning-gym lacked one of its own dependencies: the task name was
+    # right, and "unknown task" sent the user looking in the wrong place.
+    import sys
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)  # any import of it now fails
+    with pytest.raises(ConfigError, match="reasoning-gym is installed but failed to import"):
+        load_task(TaskConfig(name="basic_arithmetic"))
+
+
+def test_a_missing_reasoning_gym_is_named_in_the_unknown_task_error(monkeypatch):
+    import importlib.util
+    import sys
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "reasoning_gym" else real(n, *a))
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)
+    with pytest.raises(ConfigError, match=r"unknown task 'basic_arithmetic'.*reasoning-gym is not installed"):
+        load_task(TaskConfig(name="basic_arithmetic"))
+
+
 def test_reasoning_gym_held_out_is_disjoint_from_training():
     cfg = TaskConfig(name="basic_arithmetic", train_size=300, eval_size=64)
     train, held = load_task(cfg)

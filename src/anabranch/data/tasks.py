@@ -7,6 +7,7 @@ removed, so that the held-out accuracy measures problems never trained on.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 
@@ -41,16 +42,23 @@ def load_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     name = cfg.name.removeprefix("reasoning_gym:")
     if _is_reasoning_gym(name):
         return reasoning_gym_task(cfg, name)
+    missing = "" if importlib.util.find_spec("reasoning_gym") else " (reasoning-gym is not installed: pip install reasoning-gym)"
     raise ConfigError(
         f"unknown task {cfg.name!r} in task.name: use a built-in task ({', '.join(TASKS.names())}), "
-        "any reasoning-gym dataset name, or task.name=file with task.path=..."
+        f"any reasoning-gym dataset name{missing}, or task.name=file with task.path=..."
     )
 
 
 def _is_reasoning_gym(name: str) -> bool:
     try:
         from reasoning_gym.factory import DATASETS
-    except ImportError:
+    except ImportError as err:
+        # Installed but broken (a dependency of its own missing, as on a machine where packages were
+        # copied in by hand) must not read as "unknown task": the task name is probably right.
+        if importlib.util.find_spec("reasoning_gym") is not None:
+            raise ConfigError(f"task.name={name!r}: reasoning-gym is installed but failed to import "
+                              f"({type(err).__name__}: {err}), so its tasks cannot be loaded; repair it, "
+                              "e.g. pip install --force-reinstall reasoning-gym") from err
         return False
     return name in DATASETS
 
