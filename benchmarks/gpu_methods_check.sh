@@ -37,8 +37,11 @@ declare -A RUNS=(
     [rlpr]="reward.functions=[rlpr, math_verify*0]"
     [noisy_verifier]="algorithm.name=dr_grpo;reward.functions=[{name: noisy_verifier, params: {reward: math_verify, false_positive_rate: 0.1, false_negative_rate: 0.2}}, math_verify*0]"
     [mixture_dump]="task.mixture=[{name: basic_arithmetic}, {name: 'reasoning_gym:chain_sum'}];task.curriculum=dump"
+    [rover]="algorithm.name=rover;algorithm.ppo_epochs=2"
+    [hpt]="algorithm.hpt.enabled=true"
+    [pairing]="task.pairing=true;task.pairing_pairs=4;task.pairing_samples=8"
 )
-ORDER=(grpo ngrpo ace fdpg_js lp_reg dsdr ucas progrpo dph_js rlpr noisy_verifier mixture_dump)
+ORDER=(grpo ngrpo ace fdpg_js lp_reg dsdr ucas progrpo dph_js rlpr noisy_verifier mixture_dump rover hpt pairing)
 (( $# )) && ORDER=("$@")
 
 {

@@ -64,6 +64,9 @@ class TaskConfig:
     eval_split: Optional[str] = None
     prompt_column: str = "prompt"
     answer_column: str = "answer"
+    # Column holding a reference solution (demonstration) of each training row, copied into
+    # row["demonstration"] when present; used by HPT's SFT term (algorithm.hpt).
+    demonstration_column: str = "solution"
     train_size: int = 2000
     eval_size: int = 64
     seed: int = 0
@@ -91,6 +94,20 @@ class TaskConfig:
     dump_window: int = 300
     dump_exploration: float = 1.0
     dump_temperature: float = 0.1
+    # Prompt pairing (Sheng et al. 2026, "Beyond Variance", arXiv 2602.03452; trainer/prompt_pairing.py):
+    # train only on pairs (q+, q−) chosen by a pre-pass of the initial policy: q+ has a low but nonzero
+    # success rate (rare successes), q− a high one below 1 (rare failures). Off by default.
+    pairing: bool = False
+    # Number of (q+, q−) pairs trained on for the whole run (the paper: one pair per update).
+    pairing_pairs: int = 1
+    # q+ candidates: 0 < success rate <= pairing_positive_max; q− candidates: pairing_negative_min <=
+    # success rate < 1 (the rarest successes / failures are chosen first).
+    pairing_positive_max: float = 0.3
+    pairing_negative_min: float = 0.7
+    # Pre-pass: samples per prompt that estimate its success rate, and how many training prompts are
+    # pre-sampled (a seeded choice; 0: all of them).
+    pairing_samples: int = 16
+    pairing_prompts: int = 64
 
     def __post_init__(self):
         # Checked when the config is built, so a bad mixture fails before any work starts.
@@ -212,6 +229,26 @@ class FDPGConfig:
 
 
 @dataclass
+class HPTConfig:
+    """HPT, Hybrid Post-Training (``algorithm.hpt``; Lv, Zuo et al. 2025, arXiv 2509.04419;
+    algorithms/hpt.py): per prompt, RL on its group when the policy's accuracy P on it is above
+    ``gamma``, else SFT on the prompt's demonstration instead (L = α·L_RL + β·L_SFT, (α, β) ∈ {(1, 0), (0, 1)})."""
+
+    # Turn HPT on (works with any policy-gradient algorithm; off: plain RL).
+    enabled: bool = False
+    # Threshold on the group's accuracy P (fraction of full-credit samples): P > gamma trains the group
+    # with RL, P <= gamma with SFT. 0 (the authors' setting): SFT only where all n samples fail.
+    gamma: float = 0.0
+    # Weight β of the SFT term (token-mean NLL of the switched prompts' demonstrations); the authors use 1.
+    sft_coef: float = 1.0
+    # For rows without a demonstration (task.demonstration_column): the demonstration written from the
+    # row's reference answer, "{answer}" replaced by it; match what task.instruction asks for.
+    demonstration_template: str = "<answer>{answer}</answer>"
+    # Longest demonstration trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
+    max_demonstration_tokens: int = 1024
+
+
+@dataclass
 class AlgorithmConfig:
     # A recipe name; it fills `advantage` and `loss` when those are left empty.
     name: str = "grpo"
@@ -321,9 +358,15 @@ class AlgorithmConfig:
     fdpg: FDPGConfig = field(default_factory=FDPGConfig)
     # DPH-RL rehearsal to the initial policy (any algorithm; off while dph.coef = 0).
     dph: DPHConfig = field(default_factory=DPHConfig)
+    # HPT: SFT on a demonstration instead of RL for prompts the policy fails (any algorithm; off by default).
+    hpt: HPTConfig = field(default_factory=HPTConfig)
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0
+    # ROVER (He et al. 2025, algorithms/rover.py; algorithm.name=rover): temperature ρ of the uniform-policy
+    # Q-value Q(s, a) = ρ·(log π_θ(a|s) − log π_old(a|s)), fitted to r̃ + mean over the vocabulary of
+    # Q(s', ·); must be > 0 (the authors' code: 1).
+    rover_rho: float = 1.0
 
 
 @dataclass
@@ -364,7 +407,9 @@ class TrainerConfig:
     # micro_batch_size is ignored; padding shared by a micro-batch is cut (trainer/microbatch.py).
     # 0: rows of micro_batch_size. -1 (auto): on CPU up to 3072 tokens, as many as keep the LM
     # head's logits within its budget (larger micro-batches cost up to twice as much per token
-    # there); on GPUs and for sharded models 0.
+    # there); on a CUDA GPU measured: the first update in rows of micro_batch_size, then as many
+    # tokens as fit half the free memory at the cost per token the last update measured, growing at
+    # most 4x a step (trainer/gpu_budget.py); for sharded models (FSDP, ZeRO-3) 0.
     micro_batch_tokens: int = -1
     # Run each prompt once for its n samples in the training and log-prob forwards (a KV cache
     # expanded to the group's rows) and in the generate backend's prefill: the same numbers with

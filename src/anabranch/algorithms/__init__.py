@@ -7,6 +7,7 @@ from anabranch.algorithms import flowrl, grpo  # noqa: F401  (registers entries)
 from anabranch.algorithms import advantages, cov_control, objectives, ppo_value  # noqa: F401
 from anabranch.algorithms import ace, ngrpo  # noqa: F401
 from anabranch.algorithms import fdpg  # noqa: F401
+from anabranch.algorithms import rover  # noqa: F401
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.resolve import Algorithm, resolve_algorithm
 

@@ -140,6 +140,8 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         (cfg.dynamic_sampling_metric in ("accuracy", "reward"), "dynamic_sampling_metric",
          "must be 'accuracy' or 'reward'"),
         (cfg.overlong_buffer >= 0, "overlong_buffer", "must be >= 0"),
+        # ROVER (algorithms/rover.py): the temperature of Q = ρ·(log π_θ − log π_old); nan fails both tests.
+        (0 < cfg.rover_rho < float("inf"), "rover_rho", "must be positive and finite"),
     ]
     for ok, key, why in checks:
         if not ok:
@@ -171,6 +173,17 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     error = check_dph(cfg.dph)
     if error:
         raise ConfigError(error)
+
+    # HPT's switch between RL and SFT per prompt (algorithms/hpt.py); any algorithm may use it.
+    from anabranch.algorithms.hpt import check_hpt
+
+    error = check_hpt(cfg.hpt)
+    if error:
+        raise ConfigError(error)
+    if cfg.hpt.enabled and cfg.dynamic_sampling and cfg.dynamic_sampling_metric == "accuracy" and cfg.hpt.gamma == 0:
+        raise ConfigError("algorithm.hpt.gamma=0 with algorithm.dynamic_sampling: dynamic sampling drops the groups "
+                          "with no correct sample, the only ones HPT would switch to SFT, so HPT would never act; "
+                          "set algorithm.dynamic_sampling=false or a positive algorithm.hpt.gamma")
 
 
 def _check_reward_target(cfg: AlgorithmConfig) -> None:

@@ -27,6 +27,9 @@ CURRICULA = ("none", "dump")
 
 def check_task_config(cfg: TaskConfig) -> None:
     """Validate ``task.mixture``, ``task.curriculum`` and the DUMP options, naming the bad key."""
+    from anabranch.trainer.prompt_pairing import check_pairing
+
+    check_pairing(cfg)  # task.pairing_* (prompt pairing q+/q−)
     if cfg.curriculum not in CURRICULA:
         raise ConfigError(f"config key 'task.curriculum' must be one of {', '.join(CURRICULA)} "
                           f"(got {cfg.curriculum!r})")

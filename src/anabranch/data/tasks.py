@@ -100,6 +100,7 @@ def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
         raise ConfigError("task.name=file needs task.path=FILE (.jsonl, .parquet, .csv, a saved dataset, or hf:ID)")
     skip = cfg.skip_bad_rows
     rows = check_columns(load_rows(cfg.path, cfg.split, skip), cfg.path, cfg.prompt_column, cfg.answer_column, skip)
+    rows = _with_demonstrations(rows, cfg.demonstration_column)  # HPT's SFT target (algorithm.hpt)
     if cfg.eval_split:
         held = check_columns(load_rows(cfg.path, cfg.eval_split, skip, split_key="task.eval_split"),
                              f"{cfg.path}[{cfg.eval_split}]", cfg.prompt_column, cfg.answer_column, skip)
@@ -120,6 +121,16 @@ def _file_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
         raise DataError(f"dataset {cfg.path} has too few distinct rows ({len(rows)}) to train on after holding "
                         f"out task.eval_size={n_eval}")
     return train[: cfg.train_size], held
+
+
+def _with_demonstrations(rows: list[dict], column: str) -> list[dict]:
+    """Each row's reference solution (``task.demonstration_column``) copied into ``row["demonstration"]``
+    where it is a non-empty text; rows without one get none (HPT then writes one from the answer)."""
+    for row in rows:
+        value = row.get(column)
+        if isinstance(value, str) and value.strip():
+            row["demonstration"] = value
+    return rows
 
 
 def _prompt_key(question) -> str:

@@ -79,12 +79,19 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     cfg, needs = algo.cfg, algo.needs
     mask = rollout.trained_mask.float()  # tool outputs inside a response are not the policy's tokens
     pre: dict = {}
-    stats = {} if ucas_on(cfg) else None
+    # ROVER (algorithms/rover.py) reads mean_v log π_old(v|s_t) = −(UCAS's self-certainty) from the same pass.
+    rover = "old_vocab_mean" in needs
+    if rover and not supports_chunked_head(model):
+        raise RuntimeError("loss=rover with ppo_epochs > 1 needs the LM head as a plain linear layer on the last "
+                           "hidden states (not under FSDP, nor with logit scaling or soft-capping)")
+    stats = {} if ucas_on(cfg) or rover else None
     if "old_log_prob" in needs or "values" in needs:
         old, values = rollout_forward(model, rollout, micro_batch_size, temperature, modules, "values" in needs,
                                       share_prompt_prefix, micro_batch_tokens, ucas_stats=stats)
         if "old_log_prob" in needs:
             pre["old_log_prob"] = old
+        if rover:
+            pre["old_vocab_mean"] = -stats["certainty"]
         if values is not None:
             pre["values"] = values
     if "ref_log_prob" in needs:
@@ -109,7 +116,8 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
                          token_rewards=token_rewards, values=pre.get("values"))
     advantages, extras = out if isinstance(out, tuple) else (out, {})
     pre.update(extras)
-    advantages = _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre, stats, metrics,
+    advantages = _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre,
+                                     stats if ucas_on(cfg) else None, metrics,
                                      micro_batch_size, temperature)
     metrics["advantage/mean"] = masked_mean(advantages, mask).item()
     var = masked_mean((advantages - metrics["advantage/mean"]) ** 2, mask).item()

@@ -23,9 +23,12 @@ from anabranch.trainer.sharded_state import full_model_state
 from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
+from anabranch.trainer.gpu_budget import measured_budget
 from anabranch.trainer.microbatch import resolve_micro_batch_tokens
 from anabranch.trainer.progress import Progress
+from anabranch.trainer.prompt_pairing import PromptPairing
 from anabranch.trainer.rehearsal import Rehearsal
+from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.curriculum import build_sampler
@@ -60,16 +63,23 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     run = RunDir(cfg) if dist.is_main else NullRunDir(cfg)
     # PromptSampler as before for one task; a task mixture's sampler (with its curriculum) otherwise.
     sampler = build_sampler(cfg, c.train_rows)
+    # Prompt pairing (trainer/prompt_pairing.py): None unless task.pairing; then only the selected
+    # (q+, q−) pairs are drawn, chosen by a pre-pass with π_0 (pairing.prepare below).
+    pairing = PromptPairing.create(cfg, dist)
+    sampler = sampler if pairing is None else pairing.sampler
     # DPH-RL (trainer/rehearsal.py): None unless algorithm.dph.coef > 0; its buffer's perfect prompts
     # leave the RL prompts (dph.exclude_from_rl) through the wrapped sampler.
     rehearsal = Rehearsal.create(cfg, dist)
     if rehearsal is not None:
         sampler = rehearsal.wrap_sampler(sampler)
+    hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     micro_tokens = resolve_micro_batch_tokens(cfg.trainer.micro_batch_tokens, next(c.model.parameters()).device,
                                               c.model.config.vocab_size, dist.sharded)
+    # auto on a CUDA GPU: the budget is measured on the run's own updates (trainer/gpu_budget.py)
+    gpu_budget = measured_budget(cfg.trainer.micro_batch_tokens, next(c.model.parameters()).device, dist.sharded)
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
@@ -99,6 +109,11 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                   **({"dph_rehearsal": rehearsal.buffer} if rehearsal is not None else {})},
                         dist=dist)
     start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
+    if pairing is not None:  # pre-pass on a fresh run; a resumed run's pairs came back with the sampler
+        with dist.autocast():
+            pairing.prepare(c, start)
+        run.write_json("prompt_pairs.json", pairing.report(c.train_rows))
+        progress.write(pairing.describe())
     if rehearsal is not None:  # pre-sampling with π_0 on a fresh run; restored with the checkpoint otherwise
         with dist.autocast():
             stats = rehearsal.prepare(c, start)
@@ -118,6 +133,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
                                                          batch.rewards)
             t_gen = batch.t_generate
+            if gpu_budget is not None:  # this step's budget; its peak-memory measurement starts here
+                micro_tokens = gpu_budget.before_update()
             # Advantages from every sample's real reward (a truncated one still counts in its group's
             # mean and std); DAPO's overlong filter then masks truncated samples out of the loss only.
             adv = compute_advantages(c.algo, c.model, rollout, rewards,
@@ -126,6 +143,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                                      micro_batch_tokens=micro_tokens)
             train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
+            # HPT: groups with accuracy <= gamma leave the RL loss and train on their demonstration instead
+            hpt_step = None if hpt is None else hpt.step(batch, train_rollout, c.rewards)
+            train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
@@ -135,9 +155,13 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                 zero_advantage_rows=cfg.trainer.zero_advantage_rows,
-                extra_loss=None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step,
-                                                                               dist.active),
+                extra_loss=combine_extra_losses(
+                    None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
+                    None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active)),
             )
+        if gpu_budget is not None:
+            gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
+            metrics.update(gpu_budget.metrics())
         with warnings.catch_warnings():
             # A step whose update the non-finite guard skipped never called optimizer.step(); the
             # schedule still advances by one step, which is what torch's warning is about.
@@ -145,13 +169,16 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             scheduler.step()
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
-        metrics.update({**adv.metrics, **batch.metrics})
+        metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics)})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)
-            metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(c.device) / 2**30
+            peak = gpu_budget.run_peak() if gpu_budget is not None else torch.cuda.max_memory_allocated(c.device)
+            metrics["memory/gpu_peak_gib"] = peak / 2**30
         metrics = dist.mean_metrics(metrics)
         metrics.update(rollout_metrics(*dist.gather_rollout(rewards, per_source, rollout), acc_src))
+        if pairing is not None:  # pairing/...: the pairs' pre-pass success rates, this step's q+/q− accuracy
+            metrics.update(pairing.step_metrics(batch, c.rewards))
         if cfg.task.mixture:  # task/<source>/... metrics; the curriculum's update for the next draw
             flags = correct_flags(per_source[acc_src.name]) if acc_src is not None else None
             metrics.update(mixture_step(sampler, dist, rows, adv.advantages, rollout.trained_mask, total, flags))

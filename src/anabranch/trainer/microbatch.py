@@ -38,6 +38,13 @@ class MicroBatch:
         """This micro-batch's rows and kept columns of a [B, P+R] tensor."""
         return full[self.rows][:, self.left:self.right]
 
+    def computed_tokens(self, group_index: torch.Tensor | None = None, shared: bool = False) -> int:
+        """Token positions its forward computes: rows × kept width, or with ``shared`` prompts (one
+        per group of ``group_index``) groups × kept prompt + rows × kept response."""
+        rows, kept_p = len(self.rows), self.prompt_width - self.left
+        prompts = len(set(group_index[self.rows].tolist())) if shared and group_index is not None else rows
+        return prompts * kept_p + rows * self.kept_response
+
     def widen(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """[b, kept_response] -> [b, R], zero-filled on the right."""
         if x is None or self.kept_response == self.response_width:

@@ -85,11 +85,16 @@ def minibatch_indices(n: int, k: int, seed: int, step: int, epoch: int = 0) -> t
     return torch.randperm(n, generator=g)[:min(k, n)].sort().values
 
 
-def perfect_groups(batch: ScoredBatch, sources) -> list[int]:
-    """The groups (prompts) of ``batch`` whose samples all got full credit."""
+def sample_correct(batch: ScoredBatch, sources) -> torch.Tensor:
+    """[B] bool: full credit on the reward that says right/wrong (the total reward when none does)."""
     src = correctness_source(sources)
     values = batch.per_source[src.name] if src is not None and src.name in batch.per_source else batch.total
-    ok = torch.tensor([float(v) >= CORRECT_THRESHOLD for v in values])
+    return torch.tensor([float(v) >= CORRECT_THRESHOLD for v in values], dtype=torch.bool)
+
+
+def perfect_groups(batch: ScoredBatch, sources) -> list[int]:
+    """The groups (prompts) of ``batch`` whose samples all got full credit."""
+    ok = sample_correct(batch, sources)
     groups = batch.rollout.group_index
     return [int(g) for g in groups.unique() if bool(ok[groups == g].all())]
 
@@ -109,22 +114,29 @@ def sequence_log_probs(model, buf: RehearsalBuffer, rows: torch.Tensor, temperat
     return lp, buf.init_log_prob[rows][:, :r_len].to(device), buf.loss_mask[rows][:, :r_len].to(device)
 
 
-def build_buffer(c, cfg: Config) -> RehearsalBuffer:
-    """Pre-sample with the current (initial) policy and keep the perfect prompts' samples."""
-    d = cfg.algorithm.dph
-    idx = choose_prompts(len(c.train_prompts), d.buffer_prompts, cfg.trainer.seed)
+def presample(c, cfg: Config, idx: list[int], n: int, seed: int):
+    """Yield ``(rows, batch)`` per chunk of ``rollout.prompts_per_step`` training rows of ``idx``:
+    ``n`` samples of each by the current policy (generation seed ``seed`` + the chunk's offset),
+    scored with the run's rewards. Shared by DPH-RL's buffer and prompt pairing's pre-pass
+    (trainer/prompt_pairing.py); batch group g is training row ``rows[g]``."""
     chunk = max(cfg.rollout.prompts_per_step, 1)
-    kept, perfect = [], []
     for start in range(0, len(idx), chunk):
         part = idx[start:start + chunk]
-        rollout = c.backend.generate([c.train_prompts[i] for i in part], d.buffer_n,
-                                     seed=cfg.trainer.seed + BUILD_SEED_OFFSET + start)
+        rollout = c.backend.generate([c.train_prompts[i] for i in part], n, seed=seed + start)
         groups = rollout.group_index.tolist()
         rows = [c.train_rows[part[g]] for g in groups]
         extra = trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size)
         scored = score_detailed(c.rewards, [rollout.prompts[g] for g in groups], rollout.completions, rows,
                                 group_index=groups, extra_fields=extra)
-        batch = ScoredBatch(rollout, rows, list(scored.total), dict(scored.per_source))
+        yield part, ScoredBatch(rollout, rows, list(scored.total), dict(scored.per_source))
+
+
+def build_buffer(c, cfg: Config) -> RehearsalBuffer:
+    """Pre-sample with the current (initial) policy and keep the perfect prompts' samples."""
+    d = cfg.algorithm.dph
+    idx = choose_prompts(len(c.train_prompts), d.buffer_prompts, cfg.trainer.seed)
+    kept, perfect = [], []
+    for part, batch in presample(c, cfg, idx, d.buffer_n, cfg.trainer.seed + BUILD_SEED_OFFSET):
         good = perfect_groups(batch, c.rewards)
         perfect += [part[g] for g in good]
         if good:

@@ -22,6 +22,7 @@ from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnost
 from anabranch.algorithms.dsdr import dsdr_local_loss
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.lp_reg import lp_reg_loss
+from anabranch.algorithms.rover import response_vocab_mean
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
@@ -138,7 +139,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
         old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
-    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns")}
+    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
     # DSDR's local term (algorithms/dsdr.py): per-row weights γ_i/N_C from the rollout's scoring.
     dsdr_w = pre.get("dsdr_weight") if cfg.dsdr_local_coef != 0 else None
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs or dsdr_w is not None
@@ -171,6 +172,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                                   group_index=rollout.group_index[mb.rows].to(device),
                                   prompt_mask=rollout.prompt_mask[mb.rows].to(device), modules=modules or {},
                                   extras={k: v[sl] for k, v in extras.items()})
+                if "vocab_mean" in algo.needs:  # ROVER's next-state Q (algorithms/rover.py), without gradient
+                    ctx.extras["vocab_mean"] = response_vocab_mean(model, fo.hidden, rollout.prompt_ids.shape[1],
+                                                                   m.shape[1], temperature)
                 old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
                 sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows].to(device)
                 # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
@@ -236,6 +240,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if inert is not None:  # sequences without a share in the gradient (Â = 0 everywhere, or no loss token)
         out["update/zero_advantage_frac"] = inert.float().mean().item()
     out["micro_batches"] = float(len(passes))  # per pass over the batch (trainer.micro_batch_tokens / _size)
+    # The largest micro-batch that took a backward pass: what trainer/gpu_budget.py divides its memory by.
+    out["update/max_micro_batch_tokens"] = float(max(
+        (mb.computed_tokens(rollout.group_index, share_prefix) for mb, trains, _ in passes if trains), default=0))
     out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
     finish_diagnostics(out)
     return out

@@ -1,0 +1,191 @@
+"""HPT in the training step (algorithms/hpt.py): which groups switch to SFT, their SFT batch, its loss.
+
+Each step, after the rollouts are scored:
+
+1. P per group (prompt) is the fraction of its samples with full credit on the reward that says
+   right/wrong (the total reward where none does), as DAPO's dynamic sampling and DPH-RL count it.
+2. Groups with P ≤ γ (``algorithm.hpt.gamma``) leave the RL loss: their rows' loss masks are emptied
+   (``Rollout.loss_mask``), not their advantages zeroed. An empty mask takes the rows out of every
+   term of the update (policy gradient, KL-to-reference, entropy bonus, auxiliary losses) *and* out of
+   the loss normalizers (tokens and sequences), which is what the authors' code does by removing the
+   rollouts from the batch; a zero advantage would keep the KL and entropy terms and dilute the token
+   mean of the remaining groups. The remaining groups' RL loss is therefore exactly the loss of a
+   batch holding only them. (Advantages are still computed on the whole batch; for group-wise
+   estimators such as GRPO's this changes nothing.)
+3. Each switched group contributes its demonstration: ``prompt + demonstration + eos``, the prompt
+   being the exact text the rollout used (same chat template) and tokenized as the rollout backend
+   tokenizes it (no added special tokens); only the demonstration and eos tokens are targets.
+   ``sft_coef · mean_t −log π_θ`` over all of them runs as ``policy_update``'s ``extra_loss``: its own
+   forward and backward, into the same gradient and optimizer step, once per PPO epoch. log π uses the
+   rollout temperature, as the RL loss's forward does (the authors' code scores every row alike).
+
+The extra backward runs outside the data-parallel gradient sync, so HPT supports one process only
+(as DPH-RL's rehearsal term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from anabranch.algorithms.hpt import demonstration_text, group_accuracy, sft_nll, switch_to_sft
+from anabranch.config import Config, ConfigError
+from anabranch.eval.accuracy import correct_flags, correctness_source
+from anabranch.models.logprobs import response_forward
+from anabranch.rollout.base import Rollout, left_padded
+
+
+@dataclasses.dataclass
+class SFTBatch:
+    """Demonstrations after their prompts: ``input_ids = [prompt (left-padded) | target (right-padded)]``."""
+
+    input_ids: torch.Tensor      # [N, P + R]
+    attention_mask: torch.Tensor
+    target_mask: torch.Tensor    # [N, R] 1 on the demonstration (+ eos) tokens
+
+    @property
+    def response_len(self) -> int:
+        return int(self.target_mask.shape[1])
+
+
+def build_sft_batch(tokenizer, prompts: list[str], demonstrations: list[str], max_tokens: int = 0) -> SFTBatch:
+    """Tokenize ``prompt`` and ``demonstration + eos`` for each pair; ``max_tokens`` > 0 cuts a longer
+    demonstration to its first ``max_tokens`` tokens (then without eos: the text does not end there)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    targets = []
+    for d in demonstrations:
+        ids = tokenizer(d, add_special_tokens=False)["input_ids"]
+        if max_tokens and len(ids) >= max_tokens:
+            ids = ids[:max_tokens]
+        elif eos is not None:
+            ids = ids + [eos]
+        targets.append(ids)
+    prompt_ids, prompt_mask = left_padded(p_ids, pad)
+    width = max(max(len(t) for t in targets), 1)
+    t_ids = torch.full((len(targets), width), pad, dtype=torch.long)
+    t_mask = torch.zeros((len(targets), width), dtype=torch.long)
+    for i, t in enumerate(targets):
+        t_ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        t_mask[i, :len(t)] = 1
+    return SFTBatch(torch.cat([prompt_ids, t_ids], 1), torch.cat([prompt_mask, t_mask], 1), t_mask)
+
+
+def sft_extra_loss(model, batch: SFTBatch, coef: float, temperature: float, micro_batch_size: int,
+                   backward: Callable[[torch.Tensor], None] | None = None) -> Callable[[], dict]:
+    """The ``policy_update(extra_loss=...)`` callable: forward + backward of ``coef · L_SFT`` over
+    ``batch`` in micro-batches (token mean over the whole batch), returning ``hpt/sft_nll``."""
+    backward = backward or (lambda loss: loss.backward())
+    total = float(batch.target_mask.sum().clamp(min=1))
+    micro = max(micro_batch_size, 1)
+
+    def run() -> dict:
+        device = next(model.parameters()).device
+        nll_sum = 0.0
+        for i in range(0, batch.input_ids.shape[0], micro):
+            ids = batch.input_ids[i:i + micro].to(device)
+            mask = batch.attention_mask[i:i + micro].to(device)
+            tmask = batch.target_mask[i:i + micro].to(device)
+            lp = response_forward(model, ids, mask, batch.response_len, temperature).log_probs
+            loss, part = sft_nll(lp, tmask, total_tokens=total)
+            backward(coef * loss)
+            nll_sum += part
+        return {"hpt/sft_nll": nll_sum / total}
+
+    return run
+
+
+def combine_extra_losses(*fns: Callable[[], dict] | None) -> Callable[[], dict] | None:
+    """One ``extra_loss`` running each given one in turn (DPH-RL's rehearsal and HPT's SFT), or None."""
+    live = [f for f in fns if f is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def run() -> dict:
+        out: dict = {}
+        for f in live:
+            out.update(f())
+        return out
+
+    return run
+
+
+def without_groups(rollout: Rollout, groups: list[int]) -> Rollout:
+    """A copy of ``rollout`` whose rows of ``groups`` have an empty loss mask (no share in any RL term)."""
+    if not groups:
+        return rollout
+    drop = torch.isin(rollout.group_index, torch.tensor(groups, dtype=rollout.group_index.dtype))
+    keep = (~drop).to(rollout.response_mask.dtype)[:, None]
+    base = rollout.loss_mask if rollout.loss_mask is not None else torch.ones_like(rollout.response_mask)
+    return dataclasses.replace(rollout, loss_mask=base.to(rollout.response_mask.dtype) * keep)
+
+
+@dataclasses.dataclass
+class HPTStep:
+    """One step's HPT decision: the RL rollout without the switched groups, their SFT batch, metrics."""
+
+    rollout: Rollout
+    sft_groups: list
+    sft_batch: SFTBatch | None
+    metrics: dict
+
+    def extra_loss(self, hpt: "HPT", model, dist=None) -> Callable[[], dict] | None:
+        if self.sft_batch is None:
+            return None
+        c = hpt.cfg
+        return sft_extra_loss(model, self.sft_batch, c.algorithm.hpt.sft_coef, c.rollout.temperature,
+                              c.trainer.micro_batch_size, None if dist is None else dist.backward)
+
+
+class HPT:
+    """What the training loop holds for HPT: the config and tokenizer; :meth:`step` decides each step."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.cfg, self.h, self.tokenizer = cfg, cfg.algorithm.hpt, tokenizer
+
+    @classmethod
+    def create(cls, cfg: Config, dist, c) -> "HPT | None":
+        """None unless ``algorithm.hpt.enabled``; refuses data parallelism and training rows with no
+        demonstration and no answer (before any work)."""
+        if not cfg.algorithm.hpt.enabled:
+            return None
+        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
+        if world > 1:
+            raise ConfigError(f"algorithm.hpt.enabled: HPT's SFT term runs its own backward after the RL "
+                              f"micro-batches, outside the data-parallel gradient sync; it supports one process "
+                              f"only (distributed.num_processes={world}); set algorithm.hpt.enabled=false or "
+                              f"distributed.num_processes=1")
+        check_demonstrations(c.train_rows, cfg)
+        return cls(cfg, c.tokenizer)
+
+    def step(self, batch, rollout: Rollout, sources) -> HPTStep:
+        """Decide from ``batch`` (the scored batch) which groups switch; ``rollout``: the RL rollout
+        the update will train on (after DAPO's overlong filter), returned without them."""
+        src = correctness_source(sources)
+        values = batch.per_source[src.name] if src is not None and src.name in batch.per_source else batch.total
+        groups = batch.rollout.group_index
+        acc = group_accuracy(torch.tensor(correct_flags(values)), groups)
+        sft = switch_to_sft(acc, self.h.gamma)
+        metrics = {"hpt/sft_groups": len(sft) / max(len(acc), 1)}
+        if not sft:
+            return HPTStep(rollout, [], None, metrics)
+        first = {g: int((groups == g).nonzero()[0]) for g in sft}
+        demos = [demonstration_text(batch.rows[first[g]], self.h.demonstration_template) for g in sft]
+        sft_batch = build_sft_batch(self.tokenizer, [batch.rollout.prompts[g] for g in sft], demos,
+                                    self.h.max_demonstration_tokens)
+        metrics["hpt/sft_tokens"] = float(sft_batch.target_mask.sum())
+        return HPTStep(without_groups(rollout, sft), sft, sft_batch, metrics)
+
+
+def check_demonstrations(rows: list[dict], cfg: Config) -> None:
+    """Every training row needs a demonstration or a reference answer to write one from."""
+    for i, row in enumerate(rows, start=1):
+        if demonstration_text(row, cfg.algorithm.hpt.demonstration_template) is None:
+            raise ConfigError(
+                f"algorithm.hpt.enabled: training row {i} has no demonstration (column "
+                f"task.demonstration_column={cfg.task.demonstration_column!r}) and no reference answer "
+                f"(task.answer_column={cfg.task.answer_column!r}) to fill algorithm.hpt.demonstration_template "
+                f"with; give every row one of them, or set algorithm.hpt.enabled=false")

@@ -1,0 +1,232 @@
+"""Prompt pairing (q+/q−): train on a few pairs of a hard-but-solvable and an easy-but-brittle prompt.
+
+Sheng, Li, Pang, Peng, Ma (2026), "Beyond Variance: Prompt-Efficient RLVR via Rare-Event
+Amplification and Bidirectional Pairing" (arXiv 2602.03452). Instead of picking few-shot RLVR
+prompts by the variance of their training accuracy (p̂ ≈ 0.5, or DAPO's dynamic sampling), every
+update holds a *pair*: q+, a prompt with a low but nonzero empirical success rate (its rare successes
+are the positive signal to amplify), and q−, a prompt with a high success rate below 1 (its rare
+failures are the negative signal). Success rates are "empirical success rates under multiple rollouts".
+
+What this module does (``task.pairing=true``):
+
+    pre-pass   K = task.pairing_prompts training rows (a seeded choice; 0: all) are sampled
+               n = task.pairing_samples times each by the initial policy π_0 and scored with the
+               run's rewards:   p̂(q) = #{correct samples of q} / n
+               (correct = full credit on the reward that says right/wrong, else on the total reward,
+               as DPH-RL's pre-pass: trainer/rehearsal.py ``presample`` / ``sample_correct``)
+    candidates C+ = {q : 0 < p̂(q) <= task.pairing_positive_max}
+               C− = {q : task.pairing_negative_min <= p̂(q) < 1}
+    selection  q+_1..q+_P = the P = task.pairing_pairs members of C+ with the lowest p̂ (the rarest
+               successes), q−_1..q−_P = the P members of C− with the highest p̂ (the rarest failures);
+               ties broken by training-row order; pair i = (q+_i, q−_i).
+    training   every step's prompts are whole pairs: the pairs in a seeded random order per pass
+               over them, each giving q+ then q− (rollout.prompts_per_step must be even; with one
+               pair and prompts_per_step=2 every update is the paper's single paired minibatch).
+
+Assumptions, because the paper's method section could not be read (only its abstract was found):
+the pre-pass with π_0 at the start and the pairs fixed for the whole run (the paper trains on "a
+single paired minibatch per update" from a small selection, like 1-shot RLVR); the two thresholds and
+their defaults (0.3 / 0.7), the extremity ranking and the tie rule; no re-estimation during training.
+Too few candidates is an error naming the keys to change (no silent fallback to other prompts).
+The paper's *Weighted GRPO* (pair-level reweighting of the binary outcomes) is not implemented here:
+its formula was not available; the advantages are the run's algorithm's as usual.
+
+Resume: the pairs, their rates and the sampler's position are the sampler's checkpoint state, so a
+resumed run keeps its pairs (never re-estimated from resumed weights) and draws what the
+uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from anabranch.config import Config, ConfigError, TaskConfig
+
+PREPASS_SEED_OFFSET = 6271      # pre-pass generation seed: trainer.seed + this (not DPH's 7919)
+ORDER_SEED_BASE = 4_444_441     # pair order per pass: seeded apart from the PromptSampler's seed + epoch
+
+
+def check_pairing(t: TaskConfig) -> None:
+    """Validate the ``task.pairing_*`` keys (called from TaskConfig's check path), naming the bad key."""
+    for key, ok, why in (
+            ("pairing_pairs", t.pairing_pairs >= 1, "must be >= 1"),
+            ("pairing_samples", t.pairing_samples >= 2,
+             "must be >= 2 (with one sample a success rate is 0 or 1: no prompt is ever a candidate)"),
+            ("pairing_prompts", t.pairing_prompts == 0 or t.pairing_prompts >= 2 * t.pairing_pairs,
+             f"must be 0 (all training prompts) or >= 2 x task.pairing_pairs={2 * t.pairing_pairs}"),
+            ("pairing_positive_max", 0 < t.pairing_positive_max < 1, "must be in (0, 1)"),
+            ("pairing_negative_min", 0 < t.pairing_negative_min < 1, "must be in (0, 1)"),
+            ("pairing_negative_min", t.pairing_negative_min > t.pairing_positive_max,
+             f"must be above task.pairing_positive_max={t.pairing_positive_max} (q+ and q− are distinct prompts)")):
+        if not ok:
+            raise ConfigError(f"config key 'task.{key}' {why} (got {getattr(t, key)!r})")
+    if not t.pairing:
+        return
+    n = t.pairing_samples
+    if t.pairing_positive_max < 1 / n:
+        raise ConfigError(f"config key 'task.pairing_positive_max'={t.pairing_positive_max} is below 1/task.pairing_samples"
+                          f"={1 / n:.4g}: no nonzero success rate of {n} samples can be that low (no q+ possible)")
+    if t.pairing_negative_min > 1 - 1 / n:
+        raise ConfigError(f"config key 'task.pairing_negative_min'={t.pairing_negative_min} is above 1 - 1/"
+                          f"task.pairing_samples={1 - 1 / n:.4g}: no success rate below 1 of {n} samples reaches it "
+                          "(no q− possible)")
+    if t.mixture:
+        raise ConfigError("config key 'task.pairing'=true cannot be combined with task.mixture: pairing trains on a "
+                          "few fixed prompts and replaces the mixture's per-source sampling; use one of them")
+
+
+class PairingError(ConfigError):
+    """Too few q+ or q− candidates in the pre-pass."""
+
+
+def select_pairs(rates: dict[int, float], pairs: int, positive_max: float, negative_min: float) -> list[tuple[int, int]]:
+    """``rates``: training row -> p̂. The ``pairs`` pairs (q+, q−) of the selection rule above."""
+    plus = sorted((p, i) for i, p in rates.items() if 0.0 < p <= positive_max)
+    minus = sorted((-p, i) for i, p in rates.items() if negative_min <= p < 1.0)
+    if len(plus) < pairs or len(minus) < pairs:
+        hist = {}
+        for p in rates.values():
+            hist[round(p, 4)] = hist.get(round(p, 4), 0) + 1
+        raise PairingError(
+            f"task.pairing: the pre-pass found {len(plus)} q+ candidates (0 < success rate <= "
+            f"task.pairing_positive_max={positive_max}) and {len(minus)} q− candidates (task.pairing_negative_min="
+            f"{negative_min} <= success rate < 1) among {len(rates)} prompts, but task.pairing_pairs={pairs} needs "
+            f"{pairs} of each; success rates seen (rate: prompts): {dict(sorted(hist.items()))}. Raise "
+            "task.pairing_prompts or task.pairing_samples, widen the thresholds, or lower task.pairing_pairs")
+    return [(plus[k][1], minus[k][1]) for k in range(pairs)]
+
+
+class PairSampler:
+    """``next(k)``: k training rows, whole (q+, q−) pairs, the pairs in a seeded order per pass."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.pairs: list[tuple[int, int]] = []
+        self.rates: dict[int, float] = {}
+        self.stats: dict = {}
+        self.epoch, self.pos = 0, 0
+        self.last: list[int] = []
+
+    @property
+    def built(self) -> bool:
+        return bool(self.pairs)
+
+    def set_pairs(self, pairs, rates: dict[int, float], stats: dict) -> None:
+        self.pairs, self.rates, self.stats = [tuple(p) for p in pairs], dict(rates), dict(stats)
+        self.epoch, self.pos = 0, 0
+
+    def _order(self) -> list[int]:
+        import torch  # here, not at the top: config validation imports this module (check_pairing)
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_033 + ORDER_SEED_BASE + self.epoch)
+        return torch.randperm(len(self.pairs), generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        if not self.built:
+            raise RuntimeError("prompt pairing: no pairs selected yet (PromptPairing.prepare runs the pre-pass)")
+        if k % 2:
+            raise ValueError(f"prompt pairing draws whole (q+, q−) pairs; asked for {k} prompts (odd)")
+        out, order = [], self._order()
+        while len(out) < k:
+            if self.pos >= len(self.pairs):
+                self.epoch, self.pos = self.epoch + 1, 0
+                order = self._order()
+            out += list(self.pairs[order[self.pos]])
+            self.pos += 1
+        self.last = out
+        return out
+
+    def state_dict(self) -> dict:
+        return {"pairing": {"pairs": [list(p) for p in self.pairs], "rates": {str(i): p for i, p in self.rates.items()},
+                            "stats": dict(self.stats), "epoch": self.epoch, "pos": self.pos}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "pairing" not in state:
+            raise ConfigError("task.pairing=true but the checkpoint being resumed was written without prompt pairing: "
+                              "its pairs cannot be estimated from resumed weights; resume with the checkpoint's own "
+                              "config or start afresh")
+        st = state["pairing"]
+        self.set_pairs([tuple(p) for p in st["pairs"]], {int(i): float(p) for i, p in st["rates"].items()}, st["stats"])
+        self.epoch, self.pos = st["epoch"], st["pos"]
+
+
+class PromptPairing:
+    """What the training loop holds for prompt pairing: the sampler, the pre-pass and the metrics."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.t = cfg, cfg.task
+        self.sampler = PairSampler(cfg.trainer.seed)
+
+    @classmethod
+    def create(cls, cfg: Config, dist=None) -> "PromptPairing | None":
+        """None unless ``task.pairing``; refuses what cannot work with a fixed set of pairs."""
+        if not cfg.task.pairing:
+            return None
+        a = cfg.algorithm
+        if a.dph.coef > 0 and a.dph.exclude_from_rl:
+            raise ConfigError("task.pairing=true with algorithm.dph.exclude_from_rl: DPH-RL would drop from RL the "
+                              "prompts its own pre-pass finds perfect, which may be a selected q−; set "
+                              "algorithm.dph.exclude_from_rl=false (or task.pairing=false)")
+        if a.dynamic_sampling:
+            raise ConfigError("task.pairing=true with algorithm.dynamic_sampling: dynamic sampling drops groups by "
+                              "reward variance and draws other prompts, the selection pairing replaces; set "
+                              "algorithm.dynamic_sampling=false")
+        if cfg.rollout.prompts_per_step % 2:
+            raise ConfigError(f"task.pairing=true needs an even rollout.prompts_per_step (whole q+/q− pairs per "
+                              f"step), got {cfg.rollout.prompts_per_step}")
+        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
+        if world > 1:
+            raise ConfigError(f"task.pairing=true supports one process only (distributed.num_processes={world}): "
+                              "each rank would run its own pre-pass; set distributed.num_processes=1")
+        return cls(cfg)
+
+    def prepare(self, c, start: int) -> dict:
+        """The pre-pass and selection on a fresh run (policy still π_0); a resumed run restored them."""
+        if not self.sampler.built:
+            if start > 0:
+                raise ConfigError("task.pairing=true but the resumed checkpoint holds no prompt pairs")
+            from anabranch.trainer.rehearsal import choose_prompts, presample, sample_correct
+
+            t, seed = self.t, self.cfg.trainer.seed + PREPASS_SEED_OFFSET
+            idx = choose_prompts(len(c.train_prompts), t.pairing_prompts, seed)
+            rates: dict[int, float] = {}
+            for part, batch in presample(c, self.cfg, idx, t.pairing_samples, seed):
+                ok, groups = sample_correct(batch, c.rewards).float(), batch.rollout.group_index
+                for g in groups.unique().tolist():
+                    rates[part[g]] = float(ok[groups == g].mean())
+            pairs = select_pairs(rates, t.pairing_pairs, t.pairing_positive_max, t.pairing_negative_min)
+            stats = {"pairing/prompts_sampled": float(len(idx)),
+                     "pairing/candidates_plus": float(sum(0 < p <= t.pairing_positive_max for p in rates.values())),
+                     "pairing/candidates_minus": float(sum(t.pairing_negative_min <= p < 1 for p in rates.values())),
+                     "pairing/qplus_success_rate": sum(rates[q] for q, _ in pairs) / len(pairs),
+                     "pairing/qminus_success_rate": sum(rates[q] for _, q in pairs) / len(pairs)}
+            self.sampler.set_pairs(pairs, {q: rates[q] for pair in pairs for q in pair}, stats)
+        return dict(self.sampler.stats)
+
+    def report(self, train_rows: list[dict]) -> dict:
+        """The run directory's ``prompt_pairs.json``: each pair's rows, questions and p̂."""
+        def one(i):
+            return {"row": i, "question": str(train_rows[i]["question"]), "answer": train_rows[i].get("answer"),
+                    "success_rate": self.sampler.rates[i]}
+        return {"samples_per_prompt": self.t.pairing_samples, "stats": dict(self.sampler.stats),
+                "pairs": [{"q_plus": one(p), "q_minus": one(m)} for p, m in self.sampler.pairs]}
+
+    def describe(self) -> str:
+        s = self.sampler.stats
+        return (f"prompt pairing: {len(self.sampler.pairs)} pair(s) from {int(s['pairing/prompts_sampled'])} pre-sampled "
+                f"prompts; q+ success {s['pairing/qplus_success_rate']:.3f}, q− success "
+                f"{s['pairing/qminus_success_rate']:.3f}")
+
+    def step_metrics(self, batch, sources) -> dict:
+        """The selection's pre-pass rates, and this step's accuracy on its q+ and on its q− prompts."""
+        import torch
+
+        from anabranch.trainer.rehearsal import sample_correct
+
+        ok, groups = sample_correct(batch, sources).float(), batch.rollout.group_index
+        plus = {q for q, _ in self.sampler.pairs}
+        is_plus = torch.tensor([self.sampler.last[g] in plus for g in groups.tolist()], dtype=torch.bool)
+        out = dict(self.sampler.stats)
+        if is_plus.any():
+            out["pairing/qplus_accuracy"] = float(ok[is_plus].mean())
+        if (~is_plus).any():
+            out["pairing/qminus_accuracy"] = float(ok[~is_plus].mean())
+        return out
