@@ -1,6 +1,7 @@
 """trainer.micro_batch_tokens=-1 on a GPU (trainer/gpu_budget.py): the budget measured from the
 update's own peak memory, with the allocator's counters replaced by numbers written here."""
 
+import pytest
 import torch
 
 from anabranch.trainer.gpu_budget import MeasuredTokenBudget, measured_budget
@@ -107,3 +108,72 @@ def test_packed_micro_batches_fit_their_budget_as_computed_tokens_count_it():
         assert all(s <= 60 or len(mb.rows) == 1 or (shared and len(set(groups[mb.rows].tolist())) == 1)
                    for s, mb in zip(sizes, plan)), sizes
         assert max(sizes) > 30  # the packing uses the budget (not one row per micro-batch)
+
+
+# --- the update's out-of-memory retry (policy_update(oom_retry=True), used with the measured budget) ---
+
+def _oom_setup(tiny_model_dir):
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import AlgorithmConfig, ModelConfig
+    from anabranch.models.loading import load_model
+    from test_dapo_batch import fake_rollout
+
+    torch.manual_seed(0)
+    r = fake_rollout(2, 3, 3, 4)
+    r.prompt_ids = torch.randint(3, 60, r.prompt_ids.shape)
+    r.response_ids = torch.randint(3, 60, r.response_ids.shape)
+    r.response_mask[1, 2:] = 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    algo = resolve_algorithm(AlgorithmConfig(name="grpo"))
+    model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=True)
+    return r, rewards, algo, model
+
+
+def _update(tiny_model_dir, **kwargs):
+    from anabranch.trainer.advantage_pass import compute_advantages
+    from anabranch.trainer.step import policy_update
+
+    r, rewards, algo, model = _oom_setup(tiny_model_dir)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    adv = compute_advantages(algo, model, r, rewards, micro_batch_size=6, temperature=1.0)
+    metrics = policy_update(model, opt, r, adv.advantages, rewards, algo, grad_clip=0.0, temperature=1.0,
+                            max_response_len=4, precomputed=adv.precomputed, **kwargs)
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+
+
+def _oom_above(monkeypatch, rows: int):
+    """Make every training pass over more than ``rows`` sequences fail as CUDA's allocator would."""
+    import anabranch.trainer.step as step
+
+    real, calls = step.forward_micro_batch, []
+
+    def forward(model, mb, *args, **kwargs):
+        calls.append(len(mb.rows))
+        if torch.is_grad_enabled() and len(mb.rows) > rows:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, mb, *args, **kwargs)
+
+    monkeypatch.setattr(step, "forward_micro_batch", forward)
+    return calls
+
+
+def test_an_update_out_of_memory_is_redone_in_smaller_micro_batches_with_the_same_gradient(
+        tiny_model_dir, monkeypatch):
+    expected, _ = _update(tiny_model_dir, micro_batch_size=1)  # single rows: never out of memory
+    calls = _oom_above(monkeypatch, rows=2)
+    grad, metrics = _update(tiny_model_dir, micro_batch_size=6, micro_batch_tokens=10_000, oom_retry=True,
+                            share_prompt_prefix=False)
+    assert metrics["update/oom_retries"] >= 1 and calls[0] == 6  # one micro-batch of all 6, then halved
+    assert max(calls[-int(metrics["micro_batches"]):]) <= 2
+    assert torch.allclose(grad, expected, rtol=1e-3, atol=1e-6) and expected.abs().sum() > 0
+
+
+def test_without_retry_or_with_nothing_left_to_split_the_error_stands(tiny_model_dir, monkeypatch):
+    _oom_above(monkeypatch, rows=2)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _update(tiny_model_dir, micro_batch_size=6, micro_batch_tokens=10_000, oom_retry=False)
+    calls = _oom_above(monkeypatch, rows=0)  # even one sequence does not fit
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _update(tiny_model_dir, micro_batch_size=6, micro_batch_tokens=10_000, oom_retry=True,
+                share_prompt_prefix=False)
+    assert calls[-1] == 1 and len(calls) < 10  # halved down to single rows, then gave up

@@ -18,8 +18,10 @@ else holds the card (a vLLM engine's reservation), so the budget is measured rat
   (attention whose memory grows faster than the tokens is caught before it matters).
 
 A run whose sequences grow long later can still need more memory per token than was measured; the
-factor ``SAFETY`` is the margin for that. Set ``trainer.micro_batch_tokens`` (> 0: fixed budget, 0:
-rows of ``micro_batch_size``) to take control.
+factor ``SAFETY`` is the margin for that, and should an update still run out of memory, it is redone
+in micro-batches of half the largest one's tokens (``policy_update(oom_retry=True)``, one process
+only), and the peak it reached makes the next budget smaller. Set ``trainer.micro_batch_tokens``
+(> 0: fixed budget, 0: rows of ``micro_batch_size``) to take control.
 """
 
 from __future__ import annotations

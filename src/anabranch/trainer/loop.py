@@ -155,6 +155,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                 zero_advantage_rows=cfg.trainer.zero_advantage_rows,
+                oom_retry=gpu_budget is not None,  # a measured budget that proves too large is halved
                 extra_loss=combine_extra_losses(
                     None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
                     None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active)),

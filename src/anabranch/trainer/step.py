@@ -68,7 +68,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                   params: list | None = None, precomputed: dict | None = None,
                   kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0,
                   share_prompt_prefix: bool = True, zero_advantage_rows: str = "forward",
-                  extra_loss: Callable[[], dict] | None = None) -> dict[str, float]:
+                  extra_loss: Callable[[], dict] | None = None, oom_retry: bool = False) -> dict[str, float]:
     """``micro_batch_tokens > 0`` packs micro-batches by a token budget (trainer/microbatch.py);
     ``share_prompt_prefix`` runs each prompt once for the rows that share it, where the model
     allows (models/shared_prefix.py; same results, fewer tokens computed);
@@ -80,7 +80,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     global batch's normalizers and the launcher's backward and gradient clipping;
     ``extra_loss``: a term outside the rollout batch (DPH-RL's rehearsal, trainer/rehearsal.py), called
     once per epoch after the micro-batches and before clipping; it runs its own forward and backward
-    (into the same gradient, for the same optimizer step) and returns its metrics."""
+    (into the same gradient, for the same optimizer step) and returns its metrics;
+    ``oom_retry``: on a CUDA out-of-memory error in an epoch's passes, run the epoch again in
+    micro-batches of half the largest one's tokens (one process; trainer/gpu_budget.py's auto budget)."""
     cfg = algo.cfg
     pre = precomputed or {}
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
@@ -149,12 +151,17 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
     totals: dict[str, float] = {}
     skipped = 0
+    # Out of GPU memory in a pass: redo the epoch in smaller micro-batches (one process only: under
+    # data parallelism the other ranks would wait in the gradient all-reduce).
+    retry_oom = oom_retry and (dist is None or dist.world_size == 1)
     # Wall time of the forward+backward passes and of clipping + the optimizer step. On CUDA the
     # `.item()` calls below wait for the queued kernels, so each span holds its own work.
     t_fwd_bwd = t_opt = 0.0
-    for _epoch in range(cfg.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+
+    def run_epoch() -> tuple[dict, float, bool]:
+        """One pass over the batch (forward + backward of every micro-batch, then ``extra_loss``):
+        its metric sums, its summed loss, and whether any backward ran."""
+        ep: dict[str, float] = {}
         epoch_loss, backward_ran = 0.0, False
         for i, (mb, trains, counts) in enumerate(passes):  # fixed-size (whole groups) in input order, or packed by tokens
             sync = contextlib.nullcontext() if dist is None else dist.micro_batch_context(model, i == len(passes) - 1)
@@ -213,10 +220,44 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 # "loss" already carries the full-batch normalizer: it adds up, others average. A
                 # pass that only keeps DDP's ranks in step adds nothing but its keys.
                 value = (value if key == "loss" else value * share) if counts else 0.0
-                totals[key] = totals.get(key, 0.0) + value
+                ep[key] = ep.get(key, 0.0) + value
         if extra_loss is not None:  # its gradient joins this epoch's step, even when no RL row trained
             for key, value in extra_loss().items():
-                totals[key] = totals.get(key, 0.0) + value
+                ep[key] = ep.get(key, 0.0) + value
+        return ep, epoch_loss, backward_ran
+
+    def smaller_passes(current: list) -> list | None:
+        """The passes re-planned with half the largest micro-batch's computed tokens as the budget, or
+        None when that makes no micro-batch smaller."""
+        tokens = lambda ps: max((mb.computed_tokens(rollout.group_index, share_prefix) for mb, _, _ in ps), default=0)  # noqa: E731
+        budget = max(tokens(current) // 2, 1)
+        replanned = plan_passes(
+            plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, budget, **plan_args),
+            inert, zero_advantage_rows, must_train,
+            lambda rows: plan_rows(rows, rollout.prompt_mask, rollout.response_mask, micro_batch_size, budget,
+                                   **plan_args))
+        return replanned if tokens(replanned) < tokens(current) else None
+
+    oom_retries = 0
+    for _epoch in range(cfg.ppo_epochs):
+        t0 = time.perf_counter()
+        while True:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                ep, epoch_loss, backward_ran = run_epoch()
+                break
+            except torch.cuda.OutOfMemoryError:
+                smaller = smaller_passes(passes) if retry_oom else None
+                if smaller is None:  # off, or nothing left to split (single rows, or whole groups)
+                    raise
+            # Outside the except block the failed attempt's tensors are released: free them, then
+            # run the epoch again in micro-batches of at most half the largest one's tokens.
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            oom_retries += 1
+            passes = smaller
+        for key, value in ep.items():
+            totals[key] = totals.get(key, 0.0) + value
         if not backward_ran:
             # No sequence had a share in the gradient: it is zero, as a backward pass would have
             # left it, and the optimizer steps on it as before (Adam's moments still decay).
@@ -243,6 +284,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     # The largest micro-batch that took a backward pass: what trainer/gpu_budget.py divides its memory by.
     out["update/max_micro_batch_tokens"] = float(max(
         (mb.computed_tokens(rollout.group_index, share_prefix) for mb, trains, _ in passes if trains), default=0))
+    if retry_oom:
+        out["update/oom_retries"] = float(oom_retries)
     out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
     finish_diagnostics(out)
     return out
