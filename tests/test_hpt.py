@@ -238,3 +238,19 @@ def test_hpt_raises_the_demonstration_likelihood_where_rl_has_no_signal(tiny_mod
     assert all(m["hpt/sft_groups"] == 1.0 for m in res.history)
     assert all(m["hpt/sft_tokens"] == 4 * 6.0 for m in res.history)  # 4 prompts × ("12345" + eos)
     assert nll[-1] < nll[0] - 1.0, nll  # −log-likelihood per demonstration token falls
+
+
+def test_template_only_demonstrations_are_warned_about(capsys):
+    # Measured on SmolLM2 (docs/benchmarks.md): bare-answer demonstrations lowered held-out accuracy.
+    from anabranch.config import load_config
+    from anabranch.trainer.hpt_step import check_demonstrations
+
+    cfg = load_config(None, ["algorithm.hpt.enabled=true"])
+    check_demonstrations([{"question": "1+1", "answer": "2"}], cfg, "hpt")
+    assert "no training row has a worked solution" in capsys.readouterr().out
+    check_demonstrations([{"question": "1+1", "answer": "2", "demonstration": "1 plus 1 is 2. <answer>2</answer>"},
+                          {"question": "2+2", "answer": "4"}], cfg, "hpt")
+    assert "warning" not in capsys.readouterr().out
+    cfg = load_config(None, ["algorithm.rl_plus.enabled=true"])
+    with pytest.raises(ConfigError, match=r"algorithm\.rl_plus\.enabled: training row 2 has no demonstration"):
+        check_demonstrations([{"question": "a", "answer": "1"}, {"question": "b", "answer": None}], cfg, "rl_plus")

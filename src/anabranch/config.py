@@ -249,6 +249,24 @@ class HPTConfig:
 
 
 @dataclass
+class RLPlusConfig:
+    """RL-PLUS (``algorithm.rl_plus``; Dong et al. 2025, arXiv 2508.00222; algorithms/rl_plus.py): each
+    prompt's demonstration joins the objective, J = J_on-policy + coef·Σ_t r_t·Â_e·(1 − sg π_θ(e_t))^gamma,
+    r_t = π_θ / (½π_old + ½π_ω) (Multiple Importance Sampling, π_ω ≈ ½(π_old + 1) as the authors' code)."""
+
+    # Turn RL-PLUS on (with any policy-gradient objective; off: plain RL). One demonstration per prompt.
+    enabled: bool = False
+    # Weight of the external term (the paper: 1); its tokens weigh as the on-policy tokens at coef = 1.
+    coef: float = 1.0
+    # Exponent of the exploration weight C_t = (1 − π_θ(e_t))^gamma (the authors' code: 0.5; 0: no weight).
+    gamma: float = 0.5
+    # As HPT's: the demonstration written from the row's answer when it has none (task.demonstration_column).
+    demonstration_template: str = "<answer>{answer}</answer>"
+    # Longest demonstration trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
+    max_demonstration_tokens: int = 1024
+
+
+@dataclass
 class AlgorithmConfig:
     # A recipe name; it fills `advantage` and `loss` when those are left empty.
     name: str = "grpo"
@@ -360,6 +378,7 @@ class AlgorithmConfig:
     dph: DPHConfig = field(default_factory=DPHConfig)
     # HPT: SFT on a demonstration instead of RL for prompts the policy fails (any algorithm; off by default).
     hpt: HPTConfig = field(default_factory=HPTConfig)
+    rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

@@ -185,6 +185,21 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
                           "with no correct sample, the only ones HPT would switch to SFT, so HPT would never act; "
                           "set algorithm.dynamic_sampling=false or a positive algorithm.hpt.gamma")
 
+    # RL-PLUS's external term (algorithms/rl_plus.py): needs a policy-gradient advantage, not with HPT.
+    from anabranch.algorithms.rl_plus import check_rl_plus
+
+    error = check_rl_plus(cfg.rl_plus)
+    if error:
+        raise ConfigError(error)
+    if cfg.rl_plus.enabled and cfg.hpt.enabled:
+        raise ConfigError("algorithm.rl_plus.enabled with algorithm.hpt.enabled: both train each prompt's "
+                          "demonstration (RL-PLUS as an importance-weighted policy-gradient term, HPT as SFT in place "
+                          "of RL), so the demonstration would be trained twice under two rules; turn one of them off")
+    if cfg.rl_plus.enabled and OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
+        raise ConfigError(f"algorithm.rl_plus.enabled: RL-PLUS adds a policy-gradient term r_t·Â·C_t beside a loss "
+                          f"linear in the advantage (PPO, GRPO, CISPO, ...), not loss={cfg.loss!r}, which reads the "
+                          f"reward back from its advantages; set algorithm.rl_plus.enabled=false or another loss")
+
 
 def _check_reward_target(cfg: AlgorithmConfig) -> None:
     """An objective that reads the reward r̂ back from its advantages (FlowRL's target β·r̂ inside a

@@ -34,6 +34,7 @@ from anabranch.algorithms.hpt import demonstration_text, group_accuracy, sft_nll
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import correct_flags, correctness_source
 from anabranch.models.logprobs import response_forward
+from anabranch.rewards.guard import warn
 from anabranch.rollout.base import Rollout, left_padded
 
 
@@ -158,7 +159,7 @@ class HPT:
                               f"micro-batches, outside the data-parallel gradient sync; it supports one process "
                               f"only (distributed.num_processes={world}); set algorithm.hpt.enabled=false or "
                               f"distributed.num_processes=1")
-        check_demonstrations(c.train_rows, cfg)
+        check_demonstrations(c.train_rows, cfg, "hpt")
         return cls(cfg, c.tokenizer)
 
     def step(self, batch, rollout: Rollout, sources) -> HPTStep:
@@ -180,12 +181,19 @@ class HPT:
         return HPTStep(without_groups(rollout, sft), sft, sft_batch, metrics)
 
 
-def check_demonstrations(rows: list[dict], cfg: Config) -> None:
-    """Every training row needs a demonstration or a reference answer to write one from."""
+def check_demonstrations(rows: list[dict], cfg: Config, section: str = "hpt") -> None:
+    """Every training row needs a demonstration or a reference answer to write one from (HPT, RL-PLUS:
+    ``section`` names the config section); a warning when every demonstration is the template."""
+    template = getattr(cfg.algorithm, section).demonstration_template
     for i, row in enumerate(rows, start=1):
-        if demonstration_text(row, cfg.algorithm.hpt.demonstration_template) is None:
+        if demonstration_text(row, template) is None:
             raise ConfigError(
-                f"algorithm.hpt.enabled: training row {i} has no demonstration (column "
+                f"algorithm.{section}.enabled: training row {i} has no demonstration (column "
                 f"task.demonstration_column={cfg.task.demonstration_column!r}) and no reference answer "
-                f"(task.answer_column={cfg.task.answer_column!r}) to fill algorithm.hpt.demonstration_template "
-                f"with; give every row one of them, or set algorithm.hpt.enabled=false")
+                f"(task.answer_column={cfg.task.answer_column!r}) to fill algorithm.{section}.demonstration_template "
+                f"with; give every row one of them, or set algorithm.{section}.enabled=false")
+    if rows and not any("demonstration" in row for row in rows):
+        # Measured: HPT on template demonstrations lowered SmolLM2's held-out accuracy (docs/benchmarks.md).
+        warn(f"algorithm.{section}: no training row has a worked solution in task.demonstration_column="
+             f"{cfg.task.demonstration_column!r}; every demonstration is algorithm.{section}.demonstration_template "
+             f"filled with the row's answer ({template!r}), which teaches the answer without its working")

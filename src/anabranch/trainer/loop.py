@@ -29,6 +29,7 @@ from anabranch.trainer.progress import Progress
 from anabranch.trainer.prompt_pairing import PromptPairing
 from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
+from anabranch.trainer.rl_plus_step import RLPlus
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.curriculum import build_sampler
@@ -73,6 +74,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     if rehearsal is not None:
         sampler = rehearsal.wrap_sampler(sampler)
     hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
+    rl_plus = RLPlus.create(cfg, dist, c)  # RL-PLUS (trainer/rl_plus_step.py): None unless algorithm.rl_plus.enabled
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -146,6 +148,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # HPT: groups with accuracy <= gamma leave the RL loss and train on their demonstration instead
             hpt_step = None if hpt is None else hpt.step(batch, train_rollout, c.rewards)
             train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
+            # RL-PLUS: each prompt's demonstration, its advantage and π_old, before the update changes the policy
+            rlp_step = None if rl_plus is None else rl_plus.step(batch, train_rollout, c.model)
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
@@ -158,7 +162,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 oom_retry=gpu_budget is not None,  # a measured budget that proves too large is halved
                 extra_loss=combine_extra_losses(
                     None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
-                    None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active)),
+                    None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active),
+                    None if rlp_step is None else rlp_step.extra_loss(rl_plus, dist.policy(c.model), dist.active)),
             )
         if gpu_budget is not None:
             gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
@@ -170,7 +175,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             scheduler.step()
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
-        metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics)})
+        metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
+                        **({} if rlp_step is None else rlp_step.metrics)})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)

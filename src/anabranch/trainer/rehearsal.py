@@ -262,7 +262,6 @@ class Rehearsal:
 
         def run() -> dict:
             rows = minibatch_indices(len(buf), d.samples_per_step, cfg.trainer.seed, step, epoch[0])
-            epoch[0] += 1
             total = float(buf.loss_mask[rows].sum().clamp(min=1.0))
             sums = {"dph/f_sum": 0.0, "dph/log_ratio_sum": 0.0}
             micro = max(cfg.trainer.micro_batch_size, 1)
@@ -272,6 +271,7 @@ class Rehearsal:
                 backward(d.coef * loss)
                 for k in sums:
                     sums[k] += m[k]
+            epoch[0] += 1  # only once the epoch's term is done: an epoch redone after an OOM draws the same rows
             return {"dph/loss": sums["dph/f_sum"] / total, "dph/log_ratio": sums["dph/log_ratio_sum"] / total,
                     "dph/samples": float(len(rows)), "dph/buffer_size": float(len(buf))}
 
