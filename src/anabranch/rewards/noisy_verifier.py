@@ -25,7 +25,9 @@ Config: ``{name: noisy_verifier, params: {reward: math_verify, false_positive_ra
 false_negative_rate: 0.2, mode: backward, reward_params: {...}}}``. The wrapped reward runs inside
 this one's call (same deadline and isolation); a reward that needs the live trainer (``judge``:
 use ``reward.isolation=thread``) or trainer-computed fields (intrinsic rewards, ``rlpr``) cannot
-be wrapped.
+be wrapped. At the start, ``check_params`` also runs the wrapped reward's own ``check_params`` on
+``reward_params``; the wrapped reward's row fields (``answer``, ``rg_entry``) are not checked there
+(no reward's are: a missing field fails when scoring, counted as this source's failure).
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ def check_params(params: dict) -> None:
                           "verifier carries no information about correctness")
     if not isinstance(params.get("reward_params", {}), dict):
         raise ConfigError(f"{_KEY}.reward_params must be a mapping (got {params.get('reward_params')!r})")
+    # The wrapped reward's own options are checked at the start too, as they would be unwrapped
+    # (compose.build_rewards runs a source's check_params; here the source is this wrapper).
+    inner_check = meta.get("check_params")
+    if inner_check is not None:
+        try:
+            inner_check(dict(params.get("reward_params", {})))
+        except ConfigError as exc:
+            raise ConfigError(f"{_KEY}.reward_params (options of the wrapped {inner!r}): {exc}") from None
 
 
 def backward_correction(values, fp_rate: float, fn_rate: float) -> list[float]:

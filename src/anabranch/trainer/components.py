@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from anabranch.algorithms import ADVANTAGES, Algorithm, resolve_algorithm
+from anabranch.algorithms.dsdr import check_embedding_package as check_dsdr_embedding_package
 from anabranch.config import Config, ConfigError
 from anabranch.data.mixture import source_prompts
 from anabranch.eval.accuracy import correctness_source
@@ -75,6 +76,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if (algo.cfg.dsdr_global_coef or algo.cfg.dsdr_local_coef) and correctness_source(rewards) is None:
         raise ConfigError("algorithm.dsdr_global_coef / dsdr_local_coef need a reward that says right or wrong "
                           "(a correctness reward such as math_verify, which may have weight 0) in reward.functions")
+    check_dsdr_embedding_package(algo.cfg)  # dsdr_similarity=embedding without its package: stop before any model loads
     build_tools(list(cfg.rollout.tools), cfg.rollout.tool_timeout_s)  # a bad tool name fails here, not after loading
     if cfg.trainer.num_threads > 0:
         torch.set_num_threads(cfg.trainer.num_threads)
