@@ -152,3 +152,33 @@ def test_short_training_run_with_ucas(tiny_model_dir, write_jsonl, tmp_path):
     for row in result.history:
         assert math.isfinite(row["loss"]) and math.isfinite(row["ucas/factor_pos_mean"])
         assert math.isfinite(row["advantage/mean"])
+
+
+class _TwoRanks:
+    """A stand-in for trainer.distributed.Distributed with a second rank whose logits span [lo, hi]."""
+
+    world_size = 2
+
+    def __init__(self, other_lo, other_hi):
+        self.other = (other_lo, other_hi)
+
+    def all_reduce_extrema(self, lo, hi):
+        return torch.minimum(lo, torch.tensor(self.other[0])), torch.maximum(hi, torch.tensor(self.other[1]))
+
+
+def test_token_minmax_is_over_every_ranks_tokens_under_data_parallelism():
+    from anabranch.algorithms.ucas import minmax_normalize
+
+    x = torch.tensor([[2.0, 4.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # this rank's trained logits: 2 and 4
+    # One process: (x − 2) / (4 − 2).
+    assert torch.allclose(minmax_normalize(x, mask, eps=0.0), torch.tensor([[0.0, 1.0, 0.0]]))
+    # The other rank's logits reach 0 and 10: (x − 0) / (10 − 0) for the global batch.
+    got = minmax_normalize(x, mask, eps=0.0, dist=_TwoRanks(0.0, 10.0))
+    assert torch.allclose(got, torch.tensor([[0.2, 0.4, 0.0]]))
+    # A rank with no trained token still joins the reduction and returns zeros.
+    calls = []
+    dist = _TwoRanks(0.0, 10.0)
+    dist.all_reduce_extrema = lambda lo, hi: calls.append((float(lo), float(hi))) or (torch.tensor(0.0), torch.tensor(10.0))
+    assert torch.equal(minmax_normalize(x, torch.zeros_like(mask), dist=dist), torch.zeros_like(x))
+    assert calls == [(float("inf"), float("-inf"))]

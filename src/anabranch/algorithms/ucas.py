@@ -60,13 +60,21 @@ def head_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tenso
     return torch.cat(certainty), torch.cat(raw)
 
 
-def minmax_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def minmax_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, dist=None) -> torch.Tensor:
     """(x − min) / (max − min + ε) over the masked entries of the whole batch; 0.5 everywhere when
-    they are all equal (no token is more certain than another); 0 off the mask."""
+    they are all equal (no token is more certain than another); 0 off the mask. With ``dist`` (data
+    parallel) min and max are over every rank's tokens, so the batch is the global one, as in one process."""
     live = mask > 0
+    if dist is not None and dist.world_size > 1:
+        # Every rank takes part in the reduction, also one with no trained token (±inf then).
+        lo = x[live].min() if live.any() else torch.tensor(float("inf"), dtype=x.dtype)
+        hi = x[live].max() if live.any() else torch.tensor(float("-inf"), dtype=x.dtype)
+        lo, hi = dist.all_reduce_extrema(lo.detach().cpu(), hi.detach().cpu())
+        lo, hi = lo.to(x.device, x.dtype), hi.to(x.device, x.dtype)
+    elif live.any():
+        lo, hi = x[live].min(), x[live].max()
     if not live.any():
         return torch.zeros_like(x)
-    lo, hi = x[live].min(), x[live].max()
     if torch.isclose(hi, lo):
         return torch.full_like(x, 0.5) * live
     return (x - lo) / (hi - lo + eps) * live
@@ -74,7 +82,8 @@ def minmax_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> 
 
 def ucas_advantages(advantages: torch.Tensor, certainty: torch.Tensor, raw_logit: torch.Tensor,
                     group_index: torch.Tensor, mask: torch.Tensor, *, beta_pos: float, beta_neg: float,
-                    token_coef: float, norm_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, dict]:
+                    token_coef: float, norm_by_std: bool = True, eps: float = 1e-6,
+                    dist=None) -> tuple[torch.Tensor, dict]:
     """Both UCAS stages on ``advantages`` [B, T]; ``certainty`` and ``raw_logit`` are per token [B, T]
     and ``mask`` the trained tokens. Returns the shaped advantages and metrics."""
     m = mask.to(advantages.dtype)
@@ -86,7 +95,7 @@ def ucas_advantages(advantages: torch.Tensor, certainty: torch.Tensor, raw_logit
     positive = advantages > 0
     factor = torch.where(positive, torch.exp(-beta_pos * z)[:, None], torch.exp(beta_neg * z)[:, None])
     response_level = advantages * factor
-    shaped = response_level - token_coef * minmax_normalize(raw_logit.to(advantages.dtype), m)
+    shaped = response_level - token_coef * minmax_normalize(raw_logit.to(advantages.dtype), m, dist=dist)
     shaped = torch.where(response_level > 0, shaped.clamp(min=0.0), shaped) * m
     live = m.sum(-1) > 0
     metrics = {

@@ -75,7 +75,8 @@ def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, mod
 def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, micro_batch_size: int,
                        temperature: float, ref_model=None, modules: dict | None = None,
                        kl_controller=None, share_prompt_prefix: bool = True,
-                       micro_batch_tokens: int = 0) -> AdvantageBatch:
+                       micro_batch_tokens: int = 0, dist=None) -> AdvantageBatch:
+    """``dist`` (data parallel): UCAS's token-logit min-max runs over the global batch."""
     cfg, needs = algo.cfg, algo.needs
     mask = rollout.trained_mask.float()  # tool outputs inside a response are not the policy's tokens
     pre: dict = {}
@@ -118,14 +119,15 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     pre.update(extras)
     advantages = _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre,
                                      stats if ucas_on(cfg) else None, metrics,
-                                     micro_batch_size, temperature)
+                                     micro_batch_size, temperature, dist)
     metrics["advantage/mean"] = masked_mean(advantages, mask).item()
     var = masked_mean((advantages - metrics["advantage/mean"]) ** 2, mask).item()
     metrics["advantage/std"] = var ** 0.5
     return AdvantageBatch(advantages, pre, metrics, kl_coef=beta)
 
 
-def _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre, stats, metrics, micro, temperature):
+def _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre, stats, metrics, micro, temperature,
+                        dist=None):
     """UCAS and ProGRPO's ARM on the estimator's advantages (each only when its option is on; with
     both, UCAS's multiplicative stage runs first and ARM's shift is added to its result)."""
     if stats is not None:
@@ -134,7 +136,7 @@ def _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre, sta
         advantages, m = ucas_advantages(advantages, stats["certainty"], stats["raw_logit"], rollout.group_index,
                                         mask, beta_pos=cfg.ucas_beta_pos, beta_neg=cfg.ucas_beta_neg,
                                         token_coef=cfg.ucas_token_coef, norm_by_std=cfg.norm_adv_by_std,
-                                        eps=cfg.adv_epsilon)
+                                        eps=cfg.adv_epsilon, dist=dist)
         metrics.update(m)
     if progrpo_on(cfg):
         if "old_log_prob" not in pre:

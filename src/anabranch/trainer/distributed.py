@@ -279,6 +279,15 @@ class Distributed:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         return t.cpu()
 
+    def all_reduce_extrema(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min over ranks of ``lo``, max over ranks of ``hi``), scalars, in one collective."""
+        if self.world_size == 1:
+            return lo, hi
+        t = torch.stack([-lo.reshape(()), hi.reshape(())]).to(self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        t = t.cpu()
+        return -t[0], t[1]
+
     def mean_metrics(self, metrics: dict) -> dict:
         """All-reduce mean of scalar metrics (same keys on every rank)."""
         if self.world_size == 1:

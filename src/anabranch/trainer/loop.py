@@ -143,7 +143,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                      micro_batch_size=cfg.trainer.micro_batch_size,
                                      temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
-                                     micro_batch_tokens=micro_tokens)
+                                     micro_batch_tokens=micro_tokens, dist=dist.active)
             train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
             # HPT: groups with accuracy <= gamma leave the RL loss and train on their demonstration instead
             hpt_step = None if hpt is None else hpt.step(batch, train_rollout, c.rewards)
