@@ -56,7 +56,7 @@ def _test_list(tests) -> list[str]:
     return list(tests)
 
 
-@REWARDS.register("code_tests", correctness=True)
+@REWARDS.register("code_tests", correctness=True, row_fields=("tests",))
 def code_tests_reward(prompts, completions, tests=None, test_setup=None, prompt_code=None, entry_point=None,
                       mode: str = "fraction", wall_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 1024,
                       max_workers: int = 0, require_namespaces: bool = False, **_):

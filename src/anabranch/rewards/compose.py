@@ -67,6 +67,26 @@ def build_rewards(cfg: RewardConfig) -> list[RewardSource]:
     return sources
 
 
+def row_fields(source: RewardSource) -> tuple:
+    """The row fields (task columns) ``source`` reads: its meta's ``row_fields``, a tuple or a function
+    of the source's params (a wrapper such as noisy_verifier reports its wrapped reward's)."""
+    fields = source.meta.get("row_fields", ())
+    return tuple(fields(source.params) if callable(fields) else fields)
+
+
+def check_row_fields(sources: list[RewardSource], rows: list[dict]) -> None:
+    """At the run's start: every row carries what each reward reads from it (reasoning-gym's entry,
+    a code task's tests), else a ConfigError naming the reward, the field and the first row without
+    it. Otherwise every step's scoring would fail for that source."""
+    for src in sources:
+        for key in row_fields(src):
+            bad = next((i for i, r in enumerate(rows, start=1) if r.get(key) is None), None)
+            if bad is not None:
+                raise ConfigError(f"reward.functions[{src.name}] reads the row field {key!r}, which row {bad} of the "
+                                  f"task (and maybe others) lacks: use a task that provides it, or another reward "
+                                  f"(e.g. math_verify, which reads 'answer')")
+
+
 def score_detailed(sources: list[RewardSource], prompts: list[str], completions: list[str], rows: list[dict],
                    group_index: list[int] | None = None, extra_fields: dict | None = None) -> Scored:
     """Total reward per completion, each source's values, and failure/source metrics.

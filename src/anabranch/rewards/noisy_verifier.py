@@ -26,8 +26,8 @@ false_negative_rate: 0.2, mode: backward, reward_params: {...}}}``. The wrapped 
 this one's call (same deadline and isolation); a reward that needs the live trainer (``judge``:
 use ``reward.isolation=thread``) or trainer-computed fields (intrinsic rewards, ``rlpr``) cannot
 be wrapped. At the start, ``check_params`` also runs the wrapped reward's own ``check_params`` on
-``reward_params``; the wrapped reward's row fields (``answer``, ``rg_entry``) are not checked there
-(no reward's are: a missing field fails when scoring, counted as this source's failure).
+``reward_params``, and the wrapped reward's row fields are reported as this one's
+(``wrapped_row_fields``), so the run's start-time check of the task's rows covers them.
 """
 
 from __future__ import annotations
@@ -95,7 +95,13 @@ def forward_weights(values, fn_rate: float) -> list[float]:
     return [float(v) + fn_rate - 1.0 for v in values]
 
 
-@REWARDS.register("noisy_verifier", check_params=check_params)
+def wrapped_row_fields(params: dict) -> tuple:
+    """The wrapped reward's row fields, so the run's start-time check covers them (compose.check_row_fields)."""
+    inner = REWARDS.meta(params.get("reward")).get("row_fields", ()) if params.get("reward") in REWARDS else ()
+    return tuple(inner(params.get("reward_params", {})) if callable(inner) else inner)
+
+
+@REWARDS.register("noisy_verifier", check_params=check_params, row_fields=wrapped_row_fields)
 def noisy_verifier_reward(prompts, completions, reward=None, false_positive_rate=0.0, false_negative_rate=0.0,
                           mode="backward", reward_params=None, **fields):
     """The wrapped reward's values, corrected for its FP/FN rates (see the module docstring)."""

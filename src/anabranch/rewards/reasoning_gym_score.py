@@ -14,7 +14,7 @@ from anabranch.rewards.extract import extract_answer
 from anabranch.rewards.registry import REWARDS
 
 
-@REWARDS.register("reasoning_gym", correctness=True)
+@REWARDS.register("reasoning_gym", correctness=True, row_fields=("rg_entry", "rg_dataset"))
 def reasoning_gym_reward(prompts, completions, rg_entry=None, rg_dataset=None, **_):
     if rg_entry is None or rg_dataset is None:
         raise ValueError("the reasoning_gym reward needs a reasoning-gym task (rows with rg_entry/rg_dataset); "

@@ -22,6 +22,7 @@ from anabranch.data.tasks import load_task
 from anabranch.models.loading import load_model, load_tokenizer
 from anabranch.models.lora import apply_lora, reference_policy
 from anabranch.rewards import RewardSource, build_rewards
+from anabranch.rewards.compose import check_row_fields
 from anabranch.rollout import ROLLOUT_BACKENDS
 from anabranch.rollout.multi_turn import prompt_task, with_tools
 from anabranch.rollout.tools import build_tools
@@ -86,6 +87,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
         keep_freed_host_memory()
 
     train_rows, eval_rows = load_task(cfg.task)  # first: a data error is reported before any model file is read
+    check_row_fields(rewards, train_rows + eval_rows)  # e.g. the reasoning_gym reward on a file task
     task = prompt_task(cfg.task, cfg.rollout)  # with the tools' instructions when rollout.tools is set
     tokenizer = load_tokenizer(cfg.model)
     train_prompts = [build_prompt(r, task, tokenizer) for r in train_rows]
