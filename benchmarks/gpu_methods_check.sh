@@ -39,7 +39,7 @@ declare -A RUNS=(
     [mixture_dump]="task.mixture=[{name: basic_arithmetic}, {name: 'reasoning_gym:chain_sum'}];task.curriculum=dump"
     [rover]="algorithm.name=rover;algorithm.ppo_epochs=2"
     [hpt]="algorithm.hpt.enabled=true"
-    [pairing]="task.pairing=true;task.pairing_pairs=4;task.pairing_samples=8"
+    [pairing]="task.pairing=true;task.pairing_pairs=1;task.pairing_samples=8"
 )
 ORDER=(grpo ngrpo ace fdpg_js lp_reg dsdr ucas progrpo dph_js rlpr noisy_verifier mixture_dump rover hpt pairing)
 (( $# )) && ORDER=("$@")
