@@ -19,6 +19,7 @@ from anabranch.rollout.base import Rollout
 from anabranch.trainer.collect import ScoredBatch
 from anabranch.trainer.hpt_step import HPT, build_sft_batch, combine_extra_losses, sft_extra_loss
 from anabranch.trainer.step import policy_update
+from test_dph import ToyLM  # noqa: F401  (logits(next) = W[current token]; test_rl_plus imports it from here)
 from test_train_e2e import tiny_overrides
 
 if "hpt_test_exact" not in REWARDS:
@@ -95,19 +96,6 @@ def test_sft_nll_token_mean_and_micro_batch_sums():
 
 
 # ---------------------------------------------------------------- the step on a toy model
-
-class ToyLM(torch.nn.Module):
-    """logits(next) = W[current token]."""
-
-    def __init__(self, vocab=8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(vocab, vocab))
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, **_):
-        logits = self.w[input_ids]
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
-
 
 def toy_rollout(groups: list[list[list[int]]]) -> Rollout:
     resp = [r for g in groups for r in g]
@@ -225,15 +213,21 @@ def test_file_rows_carry_the_demonstration_column(write_jsonl):
 
 # ---------------------------------------------------------------- a short run on the tiny model
 
+def unsolvable_run(tiny_model_dir, write_jsonl, tmp_path, steps: int, section: str):
+    """A tiny-model run on "12345" in at most 3 new tokens (no sample is ever right), with
+    ``algorithm.<section>`` on and the bare answer as the demonstration; shared by test_rl_plus."""
+    data = write_jsonl([{"prompt": f"Q{i}: count", "answer": "12345"} for i in range(16)])
+    return train(load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{
+        "trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False,
+        "trainer.steps": steps, "rollout.n": 4, "rollout.max_new_tokens": 3, "trainer.micro_batch_size": 16,
+        "reward.isolation": "none", "reward.functions": "[hpt_test_exact]", f"algorithm.{section}.enabled": True,
+        f"algorithm.{section}.demonstration_template": "'{answer}'"})))  # quoted: YAML
+
+
 def test_hpt_raises_the_demonstration_likelihood_where_rl_has_no_signal(tiny_model_dir, write_jsonl, tmp_path):
     # Exact answer "12345" in at most 3 new tokens: no sample can ever be right, so every group
     # switches to SFT, and plain GRPO would have no gradient at all.
-    data = write_jsonl([{"prompt": f"Q{i}: count", "answer": "12345"} for i in range(16)])
-    res = train(load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{
-        "trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False,
-        "trainer.steps": 6, "rollout.n": 4, "rollout.max_new_tokens": 3, "trainer.micro_batch_size": 16,
-        "reward.isolation": "none", "reward.functions": "[hpt_test_exact]", "algorithm.hpt.enabled": True,
-        "algorithm.hpt.demonstration_template": "'{answer}'"})))  # quoted: YAML
+    res = unsolvable_run(tiny_model_dir, write_jsonl, tmp_path, 6, "hpt")
     nll = [m["hpt/sft_nll"] for m in res.history]
     assert all(m["hpt/sft_groups"] == 1.0 for m in res.history)
     assert all(m["hpt/sft_tokens"] == 4 * 6.0 for m in res.history)  # 4 prompts × ("12345" + eos)

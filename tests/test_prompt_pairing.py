@@ -17,12 +17,8 @@ from anabranch.rewards.registry import REWARDS
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.prompt_pairing import PairingError, PairSampler, PromptPairing, select_pairs
 from anabranch.trainer.sampler import PromptSampler
+import test_dph  # noqa: F401  (registers the exact-match reward dph_test_match)
 from test_train_e2e import tiny_overrides
-
-if "pairing_test_match" not in REWARDS:
-    @REWARDS.register("pairing_test_match", correctness=True)
-    def pairing_test_match(prompts, completions, answer, **_):
-        return [float(c == a) for c, a in zip(completions, answer)]
 
 if "pairing_test_rate" not in REWARDS:
     @REWARDS.register("pairing_test_rate", correctness=True)
@@ -160,7 +156,7 @@ class FakeBackend:
 
 def fake_components():
     rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(6)]
-    rewards = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="pairing_test_match")], isolation="none"))
+    rewards = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="dph_test_match")], isolation="none"))
     return SimpleNamespace(train_rows=rows, train_prompts=[f"p{i}" for i in range(6)], backend=FakeBackend(),
                            rewards=rewards, model=None)
 
@@ -185,7 +181,7 @@ def test_prepass_estimates_rates_and_selects_the_pair():
     # Step metrics: this step's accuracy on the q+ and the q− prompt.
     idx = pairing.sampler.next(2)
     batch = SimpleNamespace(rollout=FakeBackend().generate([f"p{i}" for i in idx], 4), total=[], per_source={})
-    batch.per_source = {"pairing_test_match": [float(comp == f"a{idx[g]}") for comp, g in
+    batch.per_source = {"dph_test_match": [float(comp == f"a{idx[g]}") for comp, g in
                                                zip(batch.rollout.completions, batch.rollout.group_index.tolist())]}
     m = pairing.step_metrics(batch, c.rewards)
     assert m["pairing/qplus_accuracy"] == 0.25 and m["pairing/qminus_accuracy"] == 0.75

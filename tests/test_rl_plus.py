@@ -10,24 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from anabranch import load_config, train
 from anabranch.algorithms.aggregation import BatchScale
 from anabranch.algorithms.resolve import resolve_algorithm
 from anabranch.algorithms.rl_plus import demonstration_advantage, exploration_weight, external_loss_mat, mis_ratio
 from anabranch.config import (AlgorithmConfig, Config, ConfigError, HPTConfig, RewardConfig, RewardFunctionConfig,
                               RLPlusConfig)
 from anabranch.rewards import build_rewards
-from anabranch.rewards.registry import REWARDS
 from anabranch.trainer.collect import ScoredBatch
 from anabranch.trainer.hpt_step import build_sft_batch
 from anabranch.trainer.rl_plus_step import RLPlus, external_extra_loss
-from test_hpt import FakeTok, ToyLM, toy_rollout
-from test_train_e2e import tiny_overrides
+from test_hpt import FakeTok, ToyLM, toy_rollout, unsolvable_run  # also registers hpt_test_exact
 
-if "rlplus_test_exact" not in REWARDS:
-    @REWARDS.register("rlplus_test_exact", correctness=True)
-    def rlplus_test_exact(prompts, completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
 # ---------------------------------------------------------------- the formulas by hand
@@ -118,8 +111,8 @@ def test_step_rewards_correct_demonstrations_and_drops_those_without_signal():
     rollout = toy_rollout([g0, g1])
     rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     rows = [{"question": "q0", "answer": "12"}] * 3 + [{"question": "q1", "answer": "7"}] * 3
-    sources = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="rlplus_test_exact")], isolation="none"))
-    batch = ScoredBatch(rollout, rows, rewards, {"rlplus_test_exact": rewards})
+    sources = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="hpt_test_exact")], isolation="none"))
+    batch = ScoredBatch(rollout, rows, rewards, {"hpt_test_exact": rewards})
     rlp = RLPlus(rl_plus_cfg(demonstration_template="{answer}"), FakeTok(), sources, "token-mean")
     step = rlp.step(batch, rollout, ToyLM())
     # both demonstrations are the answers, so both are right; group 0's adds nothing (Â_e = 0)
@@ -175,12 +168,7 @@ def test_rows_without_demonstration_and_several_processes_are_refused():
 def test_correct_demonstration_of_an_unsolvable_prompt_gains_likelihood(tiny_model_dir, write_jsonl, tmp_path):
     # Exact answer "12345" in at most 3 new tokens: no sample is ever right, so GRPO alone has no
     # gradient; the correct demonstration gets Â_e > 0 and only the external term moves the policy.
-    data = write_jsonl([{"prompt": f"Q{i}: count", "answer": "12345"} for i in range(16)])
-    res = train(load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **{
-        "trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False,
-        "trainer.steps": 5, "rollout.n": 4, "rollout.max_new_tokens": 3, "trainer.micro_batch_size": 16,
-        "reward.isolation": "none", "reward.functions": "[rlplus_test_exact]", "algorithm.rl_plus.enabled": True,
-        "algorithm.rl_plus.demonstration_template": "'{answer}'"})))  # quoted: YAML
+    res = unsolvable_run(tiny_model_dir, write_jsonl, tmp_path, 5, "rl_plus")
     h = res.history
     assert all(m["rl_plus/demo_reward"] == 1.0 and m["rl_plus/demos_trained"] == 1.0 for m in h)
     # [0, 0, 0, 0, 1]: (1 − 0.2) / sqrt(0.2)

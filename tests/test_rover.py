@@ -16,6 +16,8 @@ from anabranch.config import AlgorithmConfig, ConfigError, load_config
 from anabranch.eval.toy_matching import train_tabular
 from anabranch.trainer.step import LossContext
 
+from test_ucas import two_group_rollout
+
 L = math.log
 RHO = 0.5
 # Row 0: a 2-token response; row 1: one token then padding.
@@ -92,23 +94,6 @@ def test_vocab_mean_of_a_three_token_head_by_hand(temperature):
         assert got[0, 0].item() == pytest.approx(mean_log([0.5, 0.25, 0.25]), abs=1e-6)
 
 
-def _rollout():
-    from anabranch.rollout.base import Rollout
-
-    torch.manual_seed(0)
-    b, p, r = 6, 4, 5
-    prompt_mask = torch.ones(b, p, dtype=torch.long)
-    prompt_mask[3:, 0] = 0  # the second prompt is one token shorter (left padding)
-    response_mask = torch.ones(b, r, dtype=torch.long)
-    response_mask[1, 3:] = 0
-    response_mask[4, 2:] = 0
-    prompt_ids = torch.randint(3, 60, (2, p)).repeat_interleave(3, 0)
-    return Rollout(prompt_ids=prompt_ids * prompt_mask, prompt_mask=prompt_mask,
-                   response_ids=torch.randint(3, 60, (b, r)) * response_mask, response_mask=response_mask,
-                   group_index=torch.tensor([0, 0, 0, 1, 1, 1]), prompts=["a", "b"],
-                   completions=[""] * b, truncated=torch.zeros(b, dtype=torch.bool))
-
-
 def test_vocab_means_match_full_logits_on_tiny_model(tiny_model_dir):
     from anabranch.config import ModelConfig
     from anabranch.models.loading import load_model
@@ -117,7 +102,7 @@ def test_vocab_means_match_full_logits_on_tiny_model(tiny_model_dir):
     from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
 
     model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=True)
-    ro, tau = _rollout(), 0.8
+    ro, tau = two_group_rollout(), 0.8
     with torch.no_grad():
         ids, att = ro.input_ids, ro.attention_mask
         logits = model(input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att)).logits

@@ -61,7 +61,8 @@ def test_head_stats_are_the_self_certainty_and_the_raw_logit():
     assert torch.allclose(raw, expected_raw, atol=1e-6)
 
 
-def _rollout(tiny_model_dir):
+def two_group_rollout():
+    """Two prompts (the second left-padded) × 3 samples with ragged responses; shared by test_rover."""
     from anabranch.rollout.base import Rollout
 
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def test_rollout_pass_statistics_match_full_logits(tiny_model_dir, share, tokens
     from anabranch.trainer.advantage_pass import compute_advantages
 
     model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=True)
-    ro = _rollout(tiny_model_dir)
+    ro = two_group_rollout()
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     algo = resolve_algorithm(AlgorithmConfig(ucas=True))
     out = compute_advantages(algo, model, ro, rewards, micro_batch_size=4, temperature=0.8,
@@ -117,7 +118,7 @@ def test_off_is_bit_identical_and_needs_nothing_more(tiny_model_dir):
     assert "old_log_prob" not in off.needs
     assert "old_log_prob" in resolve_algorithm(AlgorithmConfig(ucas=True)).needs
     model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=True)
-    ro = _rollout(tiny_model_dir)
+    ro = two_group_rollout()
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     out = compute_advantages(off, model, ro, rewards, micro_batch_size=4, temperature=1.0)
     assert torch.equal(out.advantages, grpo_advantage(rewards, ro.group_index, ro.response_mask.float(), off.cfg))

@@ -14,6 +14,9 @@ from typing import Optional
 
 import yaml
 
+# The option groups of single methods (algorithm.flowrl, .dph, .fdpg, .hpt, .rl_plus), in their own module.
+from anabranch.config_algorithm_options import DPHConfig, FDPGConfig, FlowRLConfig, HPTConfig, RLPlusConfig  # noqa: F401
+
 
 class ConfigError(ValueError):
     """A bad config key or value, raised before any expensive work."""
@@ -161,109 +164,6 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     # Describe the tools and how to call them in the system prompt (after task.system_prompt).
     tool_instructions: bool = True
-
-
-@dataclass
-class FlowRLConfig:
-    """Options of the FlowRL objective (``algorithm.name=flowrl``; arXiv 2509.15207)."""
-
-    # Inverse temperature of the target π_ref·exp(β·r̂)/Z; the reference code hard-codes 15.
-    beta: float = 15.0
-    # Sequence importance weight w = exp(Σ_t log π_θ − log π_old), detached: "none" (w = 1),
-    # "unclipped" (raw w, what the Sept-2025 release used), "clamp_max" (min(w, is_max), the later
-    # code), "clip" (clip(w, 1 − is_eps, 1 + is_eps), the paper).
-    is_mode: str = "clamp_max"
-    is_max: float = 10.0
-    is_eps: float = 0.2
-    # The prior in the target: "ref" (frozen reference model, loaded for it), "old" (π_old, the
-    # policy that sampled the batch) or "none" (uniform prior: plain reward matching).
-    reference: str = "ref"
-    # Divide log π_θ and log π_ref by the response length |y| (FlowRL); false gives plain
-    # trajectory balance on whole-sequence log-probabilities.
-    length_norm: bool = True
-    # Where log Z(x) comes from: "head" (MLP on the mean-pooled prompt hidden states, as in the
-    # reference code), "vargrad" (per-prompt group mean of the residual, no network) or "scalar"
-    # (one learned number for the whole run).
-    log_z: str = "head"
-    # Learning rate of the log Z head / scalar = trainer.lr × this.
-    log_z_lr_multiplier: float = 1.0
-
-
-@dataclass
-class DPHConfig:
-    """DPH-RL rehearsal (``algorithm.dph``; Li et al. 2025, arXiv 2509.07430; algorithms/dph.py): a
-    mass-covering f-divergence to the initial policy on samples drawn from it once, at the start."""
-
-    # Weight of the rehearsal loss added to the RL loss in the same optimizer step; 0 turns DPH off
-    # (the authors' ranges: 0.01-0.05 for forward_kl, 0.05-0.2 for js).
-    coef: float = 0.0
-    # "forward_kl" (f(u) = -log u) or "js" (f(u) = u log u - (u+1) log((u+1)/2)), u = pi_theta/pi_0 per token.
-    divergence: str = "js"
-    # Rehearsal sequences drawn (seeded, without replacement) from the buffer for each optimizer step.
-    samples_per_step: int = 16
-    # Training prompts pre-sampled with the initial policy at the start of the run (0: all of them).
-    buffer_prompts: int = 64
-    # Samples per pre-sampled prompt; a prompt is "perfect" when all of them are correct.
-    buffer_n: int = 8
-    # Of a perfect prompt's samples, how many enter the buffer (the paper keeps one per prompt).
-    keep_per_prompt: int = 1
-    # Leave the perfect prompts out of the RL prompts (the paper's D_exp / D_pef split).
-    exclude_from_rl: bool = True
-
-
-@dataclass
-class FDPGConfig:
-    """Options of the f-DPG objective (``algorithm.name=fdpg``; Go et al. 2023, arXiv 2302.08215)."""
-
-    # The f-divergence D_f(π_θ || p) minimized toward p = π_ref·exp(β·r̂)/Z: "rkl" (reverse KL:
-    # KL-regularized RL), "kl" (forward KL: DPG), "js" (Jensen-Shannon, the paper's best trade-off)
-    # or "tv" (total variation).
-    divergence: str = "js"
-    # Inverse temperature of the target, as algorithm.flowrl.beta (here on whole-sequence log-probs).
-    beta: float = 15.0
-    # Subtracted from the pseudo-reward −f′(π_θ/p): "group" (mean over the prompt's samples) or "none".
-    baseline: str = "group"
-    # Cap on the detached sequence importance weight π_θ/π_old (only differs from 1 when
-    # ppo_epochs > 1); 0 leaves it uncapped, as in the paper.
-    is_max: float = 10.0
-
-
-@dataclass
-class HPTConfig:
-    """HPT, Hybrid Post-Training (``algorithm.hpt``; Lv, Zuo et al. 2025, arXiv 2509.04419;
-    algorithms/hpt.py): per prompt, RL on its group when the policy's accuracy P on it is above
-    ``gamma``, else SFT on the prompt's demonstration instead (L = α·L_RL + β·L_SFT, (α, β) ∈ {(1, 0), (0, 1)})."""
-
-    # Turn HPT on (works with any policy-gradient algorithm; off: plain RL).
-    enabled: bool = False
-    # Threshold on the group's accuracy P (fraction of full-credit samples): P > gamma trains the group
-    # with RL, P <= gamma with SFT. 0 (the authors' setting): SFT only where all n samples fail.
-    gamma: float = 0.0
-    # Weight β of the SFT term (token-mean NLL of the switched prompts' demonstrations); the authors use 1.
-    sft_coef: float = 1.0
-    # For rows without a demonstration (task.demonstration_column): the demonstration written from the
-    # row's reference answer, "{answer}" replaced by it; match what task.instruction asks for.
-    demonstration_template: str = "<answer>{answer}</answer>"
-    # Longest demonstration trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
-    max_demonstration_tokens: int = 1024
-
-
-@dataclass
-class RLPlusConfig:
-    """RL-PLUS (``algorithm.rl_plus``; Dong et al. 2025, arXiv 2508.00222; algorithms/rl_plus.py): each
-    prompt's demonstration joins the objective, J = J_on-policy + coef·Σ_t r_t·Â_e·(1 − sg π_θ(e_t))^gamma,
-    r_t = π_θ / (½π_old + ½π_ω) (Multiple Importance Sampling, π_ω ≈ ½(π_old + 1) as the authors' code)."""
-
-    # Turn RL-PLUS on (with any policy-gradient objective; off: plain RL). One demonstration per prompt.
-    enabled: bool = False
-    # Weight of the external term (the paper: 1); its tokens weigh as the on-policy tokens at coef = 1.
-    coef: float = 1.0
-    # Exponent of the exploration weight C_t = (1 − π_θ(e_t))^gamma (the authors' code: 0.5; 0: no weight).
-    gamma: float = 0.5
-    # As HPT's: the demonstration written from the row's answer when it has none (task.demonstration_column).
-    demonstration_template: str = "<answer>{answer}</answer>"
-    # Longest demonstration trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
-    max_demonstration_tokens: int = 1024
 
 
 @dataclass

@@ -32,6 +32,14 @@ class BatchScale:
     max_response_len: Optional[int] = None
 
 
+def batch_scale(mask: torch.Tensor, max_response_len: int) -> BatchScale:
+    """The one-process normalizers of a batch's loss mask [B, T]: its tokens, and its sequences with at
+    least one loss token (rows emptied by overlong filtering or HPT are not sequences of the loss)."""
+    mask = mask.float()
+    return BatchScale(total_tokens=mask.sum().clamp(min=1.0).item(),
+                      total_seqs=max(float((mask.sum(-1) > 0).sum()), 1.0), max_response_len=max_response_len)
+
+
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
               scale: BatchScale | None = None) -> torch.Tensor:
     scale = scale or BatchScale()

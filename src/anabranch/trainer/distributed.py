@@ -44,6 +44,15 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def require_one_process(cfg: Config, dist, setting: str, why: str, off: str) -> None:
+    """Refuse, before any work, an option that supports one process only (``setting``, e.g.
+    ``algorithm.hpt.enabled``; ``why`` it does; ``off``, the override that turns it off)."""
+    world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
+    if world > 1:
+        raise ConfigError(f"{setting}: {why}; it supports one process only (distributed.num_processes={world}); "
+                          f"set {off} or distributed.num_processes=1")
+
+
 def relaunch_command(cfg: Config, argv: list[str]) -> list[str]:
     """``accelerate launch`` of this same command line with ``distributed.num_processes`` ranks."""
     d = cfg.distributed

@@ -35,6 +35,7 @@ from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import correct_flags, correctness_source
 from anabranch.models.logprobs import response_forward
 from anabranch.rewards.guard import warn
+from anabranch.trainer.distributed import require_one_process
 from anabranch.rollout.base import Rollout, left_padded
 
 
@@ -153,12 +154,8 @@ class HPT:
         demonstration and no answer (before any work)."""
         if not cfg.algorithm.hpt.enabled:
             return None
-        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
-        if world > 1:
-            raise ConfigError(f"algorithm.hpt.enabled: HPT's SFT term runs its own backward after the RL "
-                              f"micro-batches, outside the data-parallel gradient sync; it supports one process "
-                              f"only (distributed.num_processes={world}); set algorithm.hpt.enabled=false or "
-                              f"distributed.num_processes=1")
+        require_one_process(cfg, dist, "algorithm.hpt.enabled", "HPT's SFT term runs its own backward after the RL "
+                            "micro-batches, outside the data-parallel gradient sync", "algorithm.hpt.enabled=false")
         check_demonstrations(c.train_rows, cfg, "hpt")
         return cls(cfg, c.tokenizer)
 

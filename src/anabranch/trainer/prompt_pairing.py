@@ -172,10 +172,10 @@ class PromptPairing:
         if cfg.rollout.prompts_per_step % 2:
             raise ConfigError(f"task.pairing=true needs an even rollout.prompts_per_step (whole q+/q− pairs per "
                               f"step), got {cfg.rollout.prompts_per_step}")
-        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
-        if world > 1:
-            raise ConfigError(f"task.pairing=true supports one process only (distributed.num_processes={world}): "
-                              "each rank would run its own pre-pass; set distributed.num_processes=1")
+        from anabranch.trainer.distributed import require_one_process
+
+        require_one_process(cfg, dist, "task.pairing=true", "each rank would run its own pre-pass",
+                            "task.pairing=false")
         return cls(cfg)
 
     def prepare(self, c, start: int) -> dict:

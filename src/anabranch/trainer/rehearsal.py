@@ -36,6 +36,7 @@ from anabranch.models.logprobs import response_forward
 from anabranch.rewards import score_detailed
 from anabranch.rewards.token_stats import trainer_fields
 from anabranch.trainer.collect import ScoredBatch, concat_batches, select_groups
+from anabranch.trainer.distributed import require_one_process
 
 FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask", "init_log_prob",
           "prompt_index")
@@ -218,12 +219,9 @@ class Rehearsal:
         """None when ``algorithm.dph.coef`` is 0; refuses data parallelism (see ``extra_loss``)."""
         if cfg.algorithm.dph.coef == 0:
             return None
-        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
-        if world > 1:
-            raise ConfigError(f"algorithm.dph.coef={cfg.algorithm.dph.coef}: DPH-RL's rehearsal term runs its own "
-                              f"backward after the RL micro-batches, outside the data-parallel gradient sync; it "
-                              f"supports one process only (distributed.num_processes={world}); set "
-                              f"algorithm.dph.coef=0 or distributed.num_processes=1")
+        require_one_process(cfg, dist, f"algorithm.dph.coef={cfg.algorithm.dph.coef}", "DPH-RL's rehearsal term runs "
+                            "its own backward after the RL micro-batches, outside the data-parallel gradient sync",
+                            "algorithm.dph.coef=0")
         return cls(cfg)
 
     def wrap_sampler(self, sampler):

@@ -31,21 +31,15 @@ from typing import Callable
 
 import torch
 
-from anabranch.algorithms.aggregation import BatchScale, aggregate, masked_mean
+from anabranch.algorithms.aggregation import BatchScale, aggregate, batch_scale, masked_mean
 from anabranch.algorithms.hpt import demonstration_text
 from anabranch.algorithms.rl_plus import demonstration_advantage, exploration_weight, external_loss_mat, mis_ratio
-from anabranch.config import Config, ConfigError
+from anabranch.config import Config
 from anabranch.models.logprobs import response_forward
 from anabranch.rewards import score_detailed
 from anabranch.rollout.base import Rollout
+from anabranch.trainer.distributed import require_one_process
 from anabranch.trainer.hpt_step import SFTBatch, build_sft_batch, check_demonstrations
-
-
-def on_policy_scale(rollout: Rollout, max_response_len: int) -> BatchScale:
-    """The normalizers ``policy_update`` gives the on-policy loss (one process)."""
-    mask = rollout.trained_mask.float()
-    return BatchScale(total_tokens=mask.sum().clamp(min=1.0).item(),
-                      total_seqs=max(float((mask.sum(-1) > 0).sum()), 1.0), max_response_len=max_response_len)
 
 
 @torch.no_grad()
@@ -125,12 +119,9 @@ class RLPlus:
         demonstration and no answer (before any work)."""
         if not cfg.algorithm.rl_plus.enabled:
             return None
-        world = max(cfg.distributed.num_processes, getattr(dist, "world_size", 1) or 1)
-        if world > 1:
-            raise ConfigError(f"algorithm.rl_plus.enabled: RL-PLUS's external term runs its own backward after the "
-                              f"RL micro-batches, outside the data-parallel gradient sync; it supports one process "
-                              f"only (distributed.num_processes={world}); set algorithm.rl_plus.enabled=false or "
-                              f"distributed.num_processes=1")
+        require_one_process(cfg, dist, "algorithm.rl_plus.enabled", "RL-PLUS's external term runs its own backward "
+                            "after the RL micro-batches, outside the data-parallel gradient sync",
+                            "algorithm.rl_plus.enabled=false")
         check_demonstrations(c.train_rows, cfg, "rl_plus")
         return cls(cfg, c.tokenizer, c.rewards, c.algo.cfg.loss_agg_mode)
 
@@ -138,7 +129,7 @@ class RLPlus:
         """``batch``: the scored batch (its groups, rows, rewards); ``rollout``: the one the update trains
         on (its normalizers); ``model``: the policy before the update (π_old)."""
         a = self.cfg.algorithm
-        scale = on_policy_scale(rollout, self.cfg.rollout.max_new_tokens)
+        scale = batch_scale(rollout.trained_mask, self.cfg.rollout.max_new_tokens)  # policy_update's normalizers
         groups = batch.rollout.group_index
         order = [int(g) for g in groups.unique()]
         first = [int((groups == g).nonzero()[0]) for g in order]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from anabranch.algorithms.aggregation import BatchScale, aggregate, masked_mean
+from anabranch.algorithms.aggregation import aggregate, batch_scale, masked_mean
 from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnostics
 from anabranch.algorithms.dsdr import dsdr_local_loss
 from anabranch.algorithms.kl import kl_penalty
@@ -94,10 +94,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if dist is not None:
         scale = dist.batch_scale(resp_mask, max_response_len)
     else:
-        # Rows with an empty mask (overlong filtering) are not sequences of the loss.
-        n_seqs = max(float((resp_mask.sum(-1) > 0).sum()), 1.0)
-        scale = BatchScale(total_tokens=resp_mask.sum().clamp(min=1.0).item(), total_seqs=n_seqs,
-                           max_response_len=max_response_len)
+        scale = batch_scale(resp_mask, max_response_len)
     agg = partial(aggregate, mode=cfg.loss_agg_mode, scale=scale)
 
     share_prefix = share_prompt_prefix and supports_shared_prefix(model)
