@@ -53,7 +53,10 @@ BAR_UNITS = {
     "distinct_answers": "distinct answers per problem (count)",
     "distinct_1": "distinct unigrams / unigrams",
     "distinct_2": "distinct bigrams / bigrams",
+    "self_bleu": "Self-BLEU-4, 0-1 (lower = more diverse)",
     "embedding_diversity": "mean pairwise cosine distance",
+    "answer_entropy": "answer entropy (nats)",
+    "effective_rank": "effective rank of hidden states",
 }
 
 

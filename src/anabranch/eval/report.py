@@ -3,7 +3,8 @@
 Every plot is a PNG embedded as a base64 ``data:`` URI and the only styling is an inline
 ``<style>`` block, so the file opens from disk with no server and no internet. Sections: reward
 and held-out accuracy over steps, entropy over steps, pass@k curves and diversity (from each
-run's ``eval_passk.json``, written by ``anabranch eval RUN_DIR``), and the fit of the
+run's ``eval_passk.json``, written by ``anabranch eval RUN_DIR``; a table gives the diversity metrics
+side by side, Self-BLEU among them, lower = more diverse), and the fit of the
 reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`; "–" and a "no fit" legend
 when a run has fewer than 3 steps or a constant reward). The pass@k numbers are labelled with the n
 and problem count of the evaluation they came from. When two or more runs' evaluations hold their
@@ -108,7 +109,8 @@ def make_plots(runs: list[dict], folder: Path) -> dict[str, tuple[Path, str]]:
         bars = {k: {m: v for m, v in e.get("diversity", {}).items() if isinstance(v, (int, float))}
                 for k, e in evals.items()}
         out["diversity"] = (plots.plot_bars(bars, folder / "diversity.png", "diversity of sampled completions"),
-                            "diversity (distinct answers per problem, distinct-n, embedding diversity)")
+                            "diversity, one axis per metric (distinct answers per problem, distinct-n, Self-BLEU: "
+                            "lower = more diverse, embedding diversity)")
     else:
         out["passk"] = (plots.placeholder(folder / "passk.png", missing_eval), "pass@k")
         div = {r["label"]: series(r, "groups/distinct_answers") for r in runs}
@@ -222,6 +224,30 @@ def support_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "</table>"
 
 
+# The eval's diversity metrics, side by side (eval/runner.py ``diversity_of``): key, column head.
+DIVERSITY_COLUMNS = [("distinct_answers", "distinct answers ↑"), ("answer_entropy", "answer entropy ↑"),
+                     ("distinct_1", "distinct-1 ↑"), ("distinct_2", "distinct-2 ↑"),
+                     ("self_bleu", "Self-BLEU ↓"), ("embedding_diversity", "embedding diversity ↑"),
+                     ("effective_rank", "effective rank")]
+
+
+def diversity_table(runs: list[dict]) -> str:
+    """Each run's latest evaluation's diversity metrics; empty when no run was evaluated. The
+    arrows say which way is more diverse: Self-BLEU is a similarity, lower is more diverse."""
+    evaluated = [r for r in runs if r["evals"]]
+    if not evaluated:
+        return ""
+    lines = ["<h2>Diversity</h2><p>From each run's latest <code>anabranch eval</code>, per problem then "
+             "averaged; ↑ / ↓: a higher / lower value is more diverse (Self-BLEU, Zhu et al. 2018, is the "
+             "BLEU-4 of each sample against the problem's other samples).</p><table><tr><th>run</th>"
+             + "".join(f"<th>{h}</th>" for _, h in DIVERSITY_COLUMNS) + "</tr>"]
+    for r in evaluated:
+        div = r["evals"][0].get("diversity") or {}
+        cells = [r["label"]] + [div.get(key) for key, _ in DIVERSITY_COLUMNS]
+        lines.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
+    return "\n".join(lines) + "</table>"
+
+
 STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f3f3f3}
 .grid{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;border:1px solid #ddd;padding:6px}
@@ -248,7 +274,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>Runs: {', '.join(html.escape(r['path']) for r in runs)}</p>"
-            f"<h2>Summary</h2>{summary_table(runs)}{support_table(runs)}"
+            f"<h2>Summary</h2>{summary_table(runs)}{diversity_table(runs)}{support_table(runs)}"
             f"<h2>Plots</h2><div class='grid'>{body}</div></body></html>")
     out.write_text(page, encoding="utf-8")
     return out

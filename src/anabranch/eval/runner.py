@@ -1,6 +1,6 @@
 """``anabranch eval``: sample n completions per held-out problem from one or more models and score
-them: pass@k, maj@k, mean@n, greedy accuracy, diversity (with answer entropy and the effective
-rank of the responses' hidden states), maps of the high-reward completions, and with several
+them: pass@k, maj@k, mean@n, greedy accuracy, diversity (distinct-n, Self-BLEU, answer entropy and
+the effective rank of the responses' hidden states), maps of the high-reward completions, and with several
 models the empirical support of each against the first (:mod:`anabranch.eval.support`).
 
 A model is named as a Hugging Face path or id, a run directory (its ``final/`` model, and its
@@ -199,6 +199,10 @@ def diversity_of(completions, answers, correct, settings: EvalSettings) -> tuple
         "answer_entropy": support.mean_answer_entropy(answers),  # Wu et al. 2025; no answer = one bucket
         "distinct_1": sum(diversity.distinct_n(g, 1) for g in completions) / m,
         "distinct_2": sum(diversity.distinct_n(g, 2) for g in completions) / m,
+        # Zhu et al. 2018: the reverse direction of distinct-n (1 = identical samples); None when
+        # no problem has 2 samples. The seed fixes which samples are scored past 64 per problem.
+        "self_bleu": diversity.mean_self_bleu(completions, seed=settings.seed),
+        "self_bleu_note": "BLEU-4 of each sample against the problem's other samples, 0-1; lower = more diverse",
         "embedding_diversity": None,
     }
     high: dict = {}
@@ -247,7 +251,7 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())
               + (f", greedy={entry['greedy_accuracy']:.3f}" if "greedy_accuracy" in entry else "")
               + "".join(f", {name.replace('_', ' ')}={v:.3f}" for name, v in (entry.get("diversity") or {}).items()
-                        if name in ("answer_entropy", "effective_rank") and isinstance(v, float)))
+                        if name in ("answer_entropy", "self_bleu", "effective_rank") and isinstance(v, float)))
         if spec.run_dir is not None:  # picked up by `anabranch report`, which shows the n and problems
             _write_run_eval(spec.run_dir / "eval_passk.json", settings, cfg, entry)
     result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}
