@@ -1,4 +1,4 @@
-"""Prompt pairing (q+/q−, Sheng et al. 2025, arXiv 2602.03452): selection rule, sampler, resume,
+"""Prompt pairing (q+/q−, Sheng et al. 2026, arXiv 2602.03452): selection rule, sampler, resume,
 config errors, the pre-pass on a fake backend and a short run on the tiny model."""
 
 import dataclasses

@@ -104,7 +104,8 @@ class TaskConfig:
     # Number of (q+, q−) pairs trained on for the whole run (the paper: one pair per update).
     pairing_pairs: int = 1
     # q+ candidates: 0 < success rate <= pairing_positive_max; q− candidates: pairing_negative_min <=
-    # success rate < 1 (the rarest successes / failures are chosen first).
+    # success rate < 1 (the rarest successes / failures are chosen first). The paper's q− rule is
+    # p̂ ∈ [1 − c/G, 1 − 1/G] over G rollouts; its c, G and q+ threshold were not found (defaults assumed).
     pairing_positive_max: float = 0.3
     pairing_negative_min: float = 0.7
     # Pre-pass: samples per prompt that estimate its success rate, and how many training prompts are
@@ -171,6 +172,11 @@ class AlgorithmConfig:
     # A recipe name; it fills `advantage` and `loss` when those are left empty.
     name: str = "grpo"
     advantage: str = ""
+    # advantage=weighted_grpo (Sheng et al. 2026, "Beyond Variance", arXiv 2602.03452;
+    # algorithms/weighted_grpo.py; needs task.pairing=true): λ_neg, the weight of the q− prompt's
+    # group advantages against q+'s (weight 1): Â = w(role)·(r − mean_g)/(std_g + ε). 1 is plain GRPO;
+    # the paper's value was not found (assumed default).
+    weighted_grpo_neg_weight: float = 1.0
     loss: str = ""
     loss_agg_mode: str = "token-mean"
     # GRPO advantage: divide by the group std (False gives Dr. GRPO).
@@ -264,6 +270,15 @@ class AlgorithmConfig:
     # (label-free runs); "reward" uses the total reward (with shaping terms such as the overlong
     # punishment, any difference keeps the group).
     dynamic_sampling_metric: str = "accuracy"
+    # Which groups dynamic sampling keeps: "all_equal" (DAPO: rewards not all equal) or "std" (RLPR, Yu et
+    # al. 2025, trainer/std_filter.py: reward std σ_g >= std_filter_beta · m, m an EMA with decay
+    # std_filter_ema_decay of each step's mean group std; the first std_filter_warmup_steps steps keep
+    # every group and m starts as the mean over their last std_filter_init_steps). m is saved in checkpoints.
+    dynamic_sampling_filter: str = "all_equal"
+    std_filter_beta: float = 0.5
+    std_filter_ema_decay: float = 0.99
+    std_filter_warmup_steps: int = 10
+    std_filter_init_steps: int = 5
     # DAPO soft overlong punishment: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty reward, linearly; 0 turns it off.
     overlong_buffer: int = 0

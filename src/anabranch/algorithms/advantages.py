@@ -3,7 +3,8 @@
 All share the registry signature ``fn(rewards[B], group_index[B], response_mask[B,T], cfg,
 **extra) -> advantages[B,T]``. ``rewards`` is the sequence reward (minus the summed KL when
 ``algorithm.kl_in=reward``); ``extra["token_rewards"]`` holds the per-token rewards (the score on
-the last response token, −β·KL_t on every token) for the token-level estimators.
+the last response token, −β·KL_t on every token) for the token-level estimators; inputs from outside
+the rollout come from ``Algorithm.advantage_inputs`` (prompt pairing's ``group_role`` for weighted_grpo).
 """
 
 from __future__ import annotations
@@ -113,3 +114,7 @@ RECIPES.register("reinforce_pp_baseline")({"advantage": "reinforce_pp_baseline",
 RECIPES.register("w_reinforce")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 0.1, "nsr_weight": 1.0})
 RECIPES.register("psr")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 1.0, "nsr_weight": 0.0})
 RECIPES.register("nsr")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 0.0, "nsr_weight": 1.0})
+
+# Weighted GRPO (prompt pairing's q+/q− role-weighted advantage) lives in its own module; importing it
+# here registers it with the other estimators (algorithms/__init__.py imports this module).
+from anabranch.algorithms import weighted_grpo  # noqa: E402,F401

@@ -29,6 +29,10 @@ class Algorithm:
     # everywhere adds nothing to the gradient (registered as ``inert_at_zero_advantage=True``;
     # trainer/inert_rows.py).
     inert_at_zero_advantage: bool = False
+    # name -> fn(rollout) -> tensor[B]: per-sample inputs of the estimator that the rollout does not
+    # hold, set by a trainer part that knows them (prompt pairing's q+/q− ``group_role``,
+    # trainer/prompt_pairing.py); passed to the estimator as keyword arguments.
+    advantage_inputs: dict = field(default_factory=dict)
 
 
 def apply_recipe(cfg: AlgorithmConfig, explicit: set | None = None) -> AlgorithmConfig:
@@ -166,6 +170,21 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
             raise ConfigError(f"algorithm.{key}: reshaping the advantages suits losses linear in the advantage "
                               f"(PPO, GRPO, CISPO), not loss={cfg.loss!r}, which reads the reward back from them; "
                               f"leave algorithm.{key} at its default")
+
+    # RLPR's std filter for dynamic sampling (trainer/std_filter.py).
+    from anabranch.trainer.std_filter import check_std_filter
+
+    error = check_std_filter(cfg)
+    if error:
+        raise ConfigError(error)
+
+    # Weighted GRPO's λ_neg (algorithms/weighted_grpo.py); its need of task.pairing is checked with the
+    # whole config (PromptPairing.create), since this function sees only the algorithm section.
+    from anabranch.algorithms.weighted_grpo import check_weighted_grpo
+
+    error = check_weighted_grpo(cfg)
+    if error:
+        raise ConfigError(error)
 
     # DPH-RL's rehearsal options (algorithms/dph.py); any algorithm may add the rehearsal term.
     from anabranch.algorithms.dph import check_dph

@@ -113,8 +113,10 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
             token_rewards = token_rewards - beta * kl
         if kl_controller is not None:
             kl_controller.update(seq_kl, mask.shape[0])
+    # Estimator inputs the rollout does not hold (prompt pairing's q+/q− group_role for weighted_grpo).
+    inputs = {key: fn(rollout) for key, fn in getattr(algo, "advantage_inputs", {}).items()}
     out = algo.advantage(token_rewards.sum(-1), rollout.group_index, mask, cfg,
-                         token_rewards=token_rewards, values=pre.get("values"))
+                         token_rewards=token_rewards, values=pre.get("values"), **inputs)
     advantages, extras = out if isinstance(out, tuple) else (out, {})
     pre.update(extras)
     advantages = _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre,

@@ -8,7 +8,8 @@ group survived, the last round as is, so the step still runs and logs). What "al
 on follows ``algorithm.dynamic_sampling_metric``: the reward that says right/wrong (``accuracy``,
 the paper's 0 < #correct < n, so that a shaping term such as the overlong punishment cannot keep an
 all-correct group whose normalized advantages would then be ±1.5 for a length difference), or the
-total reward (``reward``).
+total reward (``reward``). With ``algorithm.dynamic_sampling_filter=std`` the groups kept are those
+whose reward std reaches RLPR's adaptive threshold instead (``trainer/std_filter.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from anabranch.rewards import score_detailed
 from anabranch.rewards.rlpr import rlpr_fields
 from anabranch.rewards.token_stats import trainer_fields
 from anabranch.rollout.base import Rollout
+from anabranch.trainer.std_filter import StdFilter
 
 
 @dataclass
@@ -80,20 +82,31 @@ def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> list
             if not bool((rewards[group_index == g] == rewards[group_index == g][0]).all())]
 
 
-def collect_batch(c, sampler, cfg, dist=None) -> ScoredBatch:
+def kept_groups(batch: ScoredBatch, c, cfg, group_filter: StdFilter | None) -> tuple[list[int], float, int]:
+    """(groups one round keeps, sum of the finite reward stds of all its groups, how many): DAPO's all-equal test, or
+    RLPR's std threshold when ``group_filter`` is given (the std sums then feed its moving average)."""
+    signal = filter_signal(batch, c.rewards, cfg.algorithm.dynamic_sampling_metric)
+    if group_filter is None:
+        return informative_groups(signal, batch.rollout.group_index), 0.0, 0
+    return group_filter.keep(signal, batch.rollout.group_index)
+
+
+def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = None) -> ScoredBatch:
     """``sampler.next(k)`` gives this rank's share of k prompts; ``dist``: a data-parallel run
-    (:class:`~anabranch.trainer.distributed.Distributed` with several processes)."""
+    (:class:`~anabranch.trainer.distributed.Distributed` with several processes); ``group_filter``:
+    RLPR's std filter (``algorithm.dynamic_sampling_filter=std``), whose state this step updates."""
     want = cfg.rollout.prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
         return generate_scored(c, sampler.next(want), cfg)
     if dist is not None and dist.world_size > 1:
-        return collect_dynamic_distributed(c, sampler, cfg, dist)
+        return collect_dynamic_distributed(c, sampler, cfg, dist, group_filter)
     kept, t_gen, seen, last = [], 0.0, 0, None
+    beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg)
         t_gen += last.t_generate
-        groups = informative_groups(filter_signal(last, c.rewards, cfg.algorithm.dynamic_sampling_metric),
-                                    last.rollout.group_index)
+        groups, s, k = kept_groups(last, c, cfg, group_filter)
+        std_sum, std_count = std_sum + s, std_count + k
         seen += int(last.rollout.group_index.unique().numel())
         kept.append(select_groups(last, groups))
         if sum(len(b.rollout.prompts) for b in kept) >= want:
@@ -106,10 +119,13 @@ def collect_batch(c, sampler, cfg, dist=None) -> ScoredBatch:
     # Reward-source metrics of the last round generated (failure counts are per call).
     batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(n_kept, want)),
                      "dynamic_sampling/kept_frac_of_generated": n_kept / max(seen, 1)}
+    if group_filter is not None:
+        group_filter.end_step(std_sum, std_count)
+        batch.metrics.update(group_filter.metrics(beta))
     return batch
 
 
-def collect_dynamic_distributed(c, sampler, cfg, dist) -> ScoredBatch:
+def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter | None = None) -> ScoredBatch:
     """Dynamic sampling over W processes, giving the batch one process would keep.
 
     Every round, all ranks generate their share of the same ``prompts_per_step`` prompts and count
@@ -120,17 +136,20 @@ def collect_dynamic_distributed(c, sampler, cfg, dist) -> ScoredBatch:
     so every rank trains on the same number of whole groups. If fewer than ``prompts_per_step``
     groups were kept after ``max_sample_batches`` rounds, the largest multiple of W is used; with
     fewer than W, each rank keeps its share of the last round as is (the step still runs and logs).
+    RLPR's std filter: its statistic (sum and count of the group stds) is summed over ranks in the
+    same reduction, so every rank's moving average, hence its threshold, stays the same.
     """
     want, world = cfg.rollout.prompts_per_step, dist.world_size
     kept, t_gen, n_global, seen, last = [], 0.0, 0, 0, None
+    beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg)
         t_gen += last.t_generate
-        groups = informative_groups(filter_signal(last, c.rewards, cfg.algorithm.dynamic_sampling_metric),
-                                    last.rollout.group_index)
+        groups, s, k = kept_groups(last, c, cfg, group_filter)
         kept.append(select_groups(last, groups))
-        counts = dist.all_reduce_sum(torch.tensor([len(groups), len(last.rollout.prompts)], dtype=torch.float64))
+        counts = dist.all_reduce_sum(torch.tensor([len(groups), len(last.rollout.prompts), s, k], dtype=torch.float64))
         n_global, seen = n_global + int(counts[0].item()), seen + int(counts[1].item())
+        std_sum, std_count = std_sum + float(counts[2].item()), std_count + int(counts[3].item())
         if n_global >= want:
             break
     take = want if n_global >= want else (n_global // world) * world
@@ -145,6 +164,9 @@ def collect_dynamic_distributed(c, sampler, cfg, dist) -> ScoredBatch:
     batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds),
                      "dynamic_sampling/kept_groups": float(take),
                      "dynamic_sampling/kept_frac_of_generated": n_global / max(seen, 1)}
+    if group_filter is not None:
+        group_filter.end_step(std_sum, std_count)
+        batch.metrics.update(group_filter.metrics(beta))
     return batch
 
 

@@ -21,6 +21,7 @@ from anabranch.trainer.advantage_pass import compute_advantages
 from anabranch.trainer.checkpoint import export_hf
 from anabranch.trainer.sharded_state import full_model_state
 from anabranch.trainer.collect import collect_batch
+from anabranch.trainer.std_filter import build_std_filter
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
 from anabranch.trainer.gpu_budget import measured_budget
@@ -85,6 +86,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     result = TrainResult(run.path, None, None, None)
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
+    std_filter = build_std_filter(cfg.algorithm)  # RLPR's std filter (None unless dynamic_sampling_filter=std)
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -108,7 +110,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
 
     ckpt = Checkpointer(cfg, c, run, sampler, scheduler, result, progress, stop,
                         stateful={"kl_controller": kl_ctl,
-                                  **({"dph_rehearsal": rehearsal.buffer} if rehearsal is not None else {})},
+                                  **({"dph_rehearsal": rehearsal.buffer} if rehearsal is not None else {}),
+                                  **({"std_filter": std_filter} if std_filter is not None else {})},
                         dist=dist)
     start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
     if pairing is not None:  # pre-pass on a fresh run; a resumed run's pairs came back with the sampler
@@ -129,7 +132,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         t0 = time.perf_counter()
         with dist.autocast():  # mixed precision (bf16/fp16 launches) for every forward of the step
             # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist)
+            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter)
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,

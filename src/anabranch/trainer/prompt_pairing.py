@@ -23,13 +23,19 @@ What this module does (``task.pairing=true``):
                over them, each giving q+ then q− (rollout.prompts_per_step must be even; with one
                pair and prompts_per_step=2 every update is the paper's single paired minibatch).
 
-Assumptions, because the paper's method section could not be read (only its abstract was found):
-the pre-pass with π_0 at the start and the pairs fixed for the whole run (the paper trains on "a
-single paired minibatch per update" from a small selection, like 1-shot RLVR); the two thresholds and
-their defaults (0.3 / 0.7), the extremity ranking and the tie rule; no re-estimation during training.
+What is from the paper and what is assumed. The paper's own method text could not be read; its
+abstract and a secondary summary of its method were. From them: selection happens once, before
+training, with the policy at hand (as the pre-pass here); q− has a success rate in
+[1 − c/G, 1 − 1/G] over G rollouts (at most c failures, at least one), the form of
+``pairing_negative_min <= p̂ < 1``; the paper draws q+ from a hard pool (AIME 2025) and q− from an
+easy one (a DeepScaleR subset), where this module uses one pool, the training rows. Not found, so
+assumed: c and G (pairing_negative_min = 0.7 and pairing_samples = 16, i.e. c = 4.8 of G = 16), the q+
+threshold (pairing_positive_max = 0.3, the mirror image), the extremity ranking and the tie rule.
 Too few candidates is an error naming the keys to change (no silent fallback to other prompts).
-The paper's *Weighted GRPO* (pair-level reweighting of the binary outcomes) is not implemented here:
-its formula was not available; the advantages are the run's algorithm's as usual.
+
+Weighted GRPO (``algorithm.advantage=weighted_grpo``, algorithms/weighted_grpo.py) weighs each
+group's advantage by its role in the pair; ``prepare`` hands it the role of every sample of the
+step (``group_role``: +1 q+, −1 q−), read from the sampler's draw, so it is exact on resume too.
 
 Resume: the pairs, their rates and the sampler's position are the sampler's checkpoint state, so a
 resumed run keeps its pairs (never re-estimated from resumed weights) and draws what the
@@ -157,7 +163,12 @@ class PromptPairing:
 
     @classmethod
     def create(cls, cfg: Config, dist=None) -> "PromptPairing | None":
-        """None unless ``task.pairing``; refuses what cannot work with a fixed set of pairs."""
+        """None unless ``task.pairing``; refuses what cannot work with a fixed set of pairs, and
+        Weighted GRPO without pairing (it needs the q+/q− roles)."""
+        # Imported here, not at the top: config validation imports this module (check_pairing).
+        from anabranch.algorithms.weighted_grpo import check_needs_pairing
+
+        check_needs_pairing(cfg)
         if not cfg.task.pairing:
             return None
         a = cfg.algorithm
@@ -199,7 +210,27 @@ class PromptPairing:
                      "pairing/qplus_success_rate": sum(rates[q] for q, _ in pairs) / len(pairs),
                      "pairing/qminus_success_rate": sum(rates[q] for _, q in pairs) / len(pairs)}
             self.sampler.set_pairs(pairs, {q: rates[q] for pair in pairs for q in pair}, stats)
+        from anabranch.algorithms.weighted_grpo import NAME
+
+        algo = getattr(c, "algo", None)
+        if algo is not None and algo.cfg.advantage == NAME:  # fresh or resumed: roles come from the pairs
+            algo.advantage_inputs["group_role"] = self.group_role
         return dict(self.sampler.stats)
+
+    def group_role(self, rollout):
+        """[B] +1 for each sample of a q+ prompt, −1 for a q− one. Group g answers the g-th row of
+        this step's draw (``sampler.last``; pairing refuses dynamic sampling, which would reorder it)."""
+        import torch
+
+        from anabranch.algorithms.weighted_grpo import ROLE_MINUS, ROLE_PLUS
+
+        last, groups = self.sampler.last, rollout.group_index
+        if groups.numel() == 0 or int(groups.max()) + 1 != len(last) or int(groups.min()) < 0:
+            raise RuntimeError(f"prompt pairing: the batch's groups ({int(groups.unique().numel())}) are not this "
+                               f"step's {len(last)} drawn prompts; Weighted GRPO cannot tell q+ from q−")
+        plus = {q for q, _ in self.sampler.pairs}
+        per_group = torch.tensor([ROLE_PLUS if row in plus else ROLE_MINUS for row in last])
+        return per_group[groups]
 
     def report(self, train_rows: list[dict]) -> dict:
         """The run directory's ``prompt_pairs.json``: each pair's rows, questions and p̂."""
