@@ -165,6 +165,10 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     # Describe the tools and how to call them in the system prompt (after task.system_prompt).
     tool_instructions: bool = True
+    # SimpleTIR's void-turn filter (Xue et al. 2025; rollout/void_turns.py): a trajectory with a turn
+    # that has neither a complete tool call nor a final answer (<answer>, \boxed{}, "Answer:") leaves
+    # the policy loss; its reward still counts in its group's advantage. Needs rollout.tools.
+    void_turn_filter: bool = False
 
 
 @dataclass
@@ -211,6 +215,13 @@ class AlgorithmConfig:
     # kl_coef fixed. kl_horizon is the controller's time constant in sequences.
     kl_target: Optional[float] = None
     kl_horizon: int = 10000
+    # ProRL's reference reset (Liu et al. 2025, arXiv 2505.24864; trainer/ref_reset.py): every
+    # ref_reset_every training steps the KL reference's weights are set to the current policy's
+    # (0: off; needs a reference term, e.g. kl_coef > 0; refused with LoRA, FSDP and DeepSpeed), and
+    # with ref_reset_optimizer the optimizer state (Adam moments, step counts) is cleared with it,
+    # as the paper does. Checkpoints then hold the reset reference, so a resumed run uses it.
+    ref_reset_every: int = 0
+    ref_reset_optimizer: bool = True
     # Discount and GAE λ for the token-level estimators (reinforce_pp, gae).
     gamma: float = 1.0
     lam: float = 0.95

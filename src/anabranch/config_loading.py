@@ -242,6 +242,10 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1"),
         (cfg.rollout.tool_output_max_tokens >= 1, "rollout.tool_output_max_tokens", "must be >= 1"),
         (cfg.rollout.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0"),
+        (not cfg.rollout.void_turn_filter or bool(cfg.rollout.tools), "rollout.void_turn_filter",
+         "needs rollout.tools: a void turn is a turn between tool results with neither a tool call nor a "
+         "final answer, and a single-turn response has no tool calls to filter on; set rollout.tools or "
+         "rollout.void_turn_filter=false"),
         (not cfg.rollout.tools or cfg.rollout.min_new_tokens == 0, "rollout.min_new_tokens",
          "must be 0 with rollout.tools: a response's length is its turns' and its tool outputs' together, "
          "so a minimum per generate call has no fixed meaning"),

@@ -88,6 +88,12 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
         needs.add("ref_log_prob")
         if cfg.kl_in == "reward" or cfg.kl_target is not None:
             needs.add("old_log_prob")  # the KL of the sampled tokens, before the update
+    if cfg.ref_reset_every > 0 and "ref_log_prob" not in needs:
+        # ProRL's reset (trainer/ref_reset.py) replaces the reference model: without a term that
+        # reads it no reference is loaded, and the setting would silently do nothing.
+        raise ConfigError(f"algorithm.ref_reset_every={cfg.ref_reset_every} resets the KL reference policy, but "
+                          f"this algorithm (loss={cfg.loss!r}, advantage={cfg.advantage!r}, kl_coef={cfg.kl_coef:g}) "
+                          "uses no reference model: set algorithm.kl_coef > 0, or leave ref_reset_every at 0")
     if cfg.ppo_epochs > 1:
         needs.add("old_log_prob")
     # UCAS / ProGRPO (algorithms/ucas.py, progrpo.py) read π_old's forward of the rollout: its
@@ -115,6 +121,7 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         (cfg.kl_target is None or cfg.kl_coef > 0, "kl_target",
          "needs algorithm.kl_coef > 0, the initial β that the adaptive controller scales (from 0 it stays 0)"),
         (cfg.kl_horizon > 0, "kl_horizon", "must be positive"),
+        (cfg.ref_reset_every >= 0, "ref_reset_every", "must be >= 0 (0 turns the reference reset off)"),
         (cfg.clip_ratio_c == 0 or cfg.clip_ratio_c > 1, "clip_ratio_c", "must be 0 (off) or > 1"),
         (0 < cfg.entropy_top_rho <= 1, "entropy_top_rho", "must be in (0, 1]"),
         # DSDR (algorithms/dsdr.py): a bonus below the unit correctness reward; a regularizer of

@@ -28,6 +28,9 @@ def _add_sampling(p) -> None:
     p.add_argument("--no-embeddings", action="store_true", help="skip embedding diversity and the PCA map")
     p.add_argument("--no-effective-rank", action="store_true",
                    help="skip the effective rank of each response's hidden states (one extra forward pass)")
+    p.add_argument("--sparse-tokens", type=int, default=2048,
+                   help="sparse selection: response positions of each later model's completions at which its top "
+                        "next token is compared with the first (base) model's (default 2048; 0: skip)")
 
 
 def add_subcommands(sub) -> None:
@@ -68,7 +71,8 @@ def settings_from(args, n: int | None = None):
 
     return EvalSettings(n=n or args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed, greedy=not args.no_greedy,
-                        embeddings=not args.no_embeddings, effective_rank=not args.no_effective_rank)
+                        embeddings=not args.no_embeddings, effective_rank=not args.no_effective_rank,
+                        sparse_tokens=args.sparse_tokens)
 
 
 def run(args) -> int:

@@ -9,7 +9,9 @@ reward–entropy law R = −a·exp(H) + b (:mod:`anabranch.eval.entropy_law`; "�
 when a run has fewer than 3 steps or a constant reward). The pass@k numbers are labelled with the n
 and problem count of the evaluation they came from. When two or more runs' evaluations hold their
 samples for the same problems, a table gives each run's empirical support against the first run's
-(preserved / shrunk / expanded problems and answers, :mod:`anabranch.eval.support`). A plot whose data is
+(preserved / shrunk / expanded problems and answers, :mod:`anabranch.eval.support`), and a run evaluated
+after a base (``anabranch eval BASE RUN``) gets a table of where its top next token departs from the
+base's (:mod:`anabranch.eval.sparse_selection`). A plot whose data is
 missing is replaced by an image saying what is missing and how to produce it. A run that stopped
 before its end (no ``summary.json``) shows the last step it logged, marked "unfinished", and the
 accuracy it logged at step 0; a last metrics row cut short by the stop is left out.
@@ -224,6 +226,33 @@ def support_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "</table>"
 
 
+def sparse_selection_table(runs: list[dict]) -> str:
+    """Where each run's top next token departs from its base's, from the latest ``anabranch eval BASE
+    RUN`` (Akgül et al. 2026, :mod:`anabranch.eval.sparse_selection`); empty when no run has it."""
+    rows = [(r["label"], r["evals"][0]["sparse_selection"]) for r in runs
+            if r["evals"] and isinstance(r["evals"][0].get("sparse_selection"), dict)]
+    if not rows:
+        return ""
+    head = ["run", "base", "positions", "changed", "in base top-1", "top-2", "top-3", "top-4", "top-5", "top-10",
+            "beyond 10", "KL(run‖base)", "base entropy", "base entropy where changed"]
+    lines = ["<h2>Sparse selection</h2><p>Along each run's own sampled completions: the fraction of positions "
+             "where its most likely next token differs from its base model's, and among those, how often the "
+             "base ranks the run's choice in its top-k (Akgül et al. 2026, \"Rethinking RL for LLM Reasoning: "
+             "It's Sparse Policy Selection, Not Capability Learning\").</p><table><tr>"
+             + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for label, sel in rows:
+        if "error" in sel:
+            lines.append(f"<tr><td>{html.escape(label)}</td><td>{html.escape(str(sel.get('base', '')))}</td>"
+                         f"<td colspan='{len(head) - 2}'>{html.escape(str(sel['error']))}</td></tr>")
+            continue
+        top = sel.get("changed_in_base_top_k") or {}
+        cells = [label, sel.get("base"), sel.get("positions"), sel.get("changed_fraction"),
+                 *[top.get(k) for k in ("1", "2", "3", "4", "5", "10")], sel.get("changed_beyond_base_top_10"),
+                 sel.get("kl_trained_base_mean"), sel.get("base_entropy_mean"), sel.get("base_entropy_changed_mean")]
+        lines.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
+    return "\n".join(lines) + "</table>"
+
+
 # The eval's diversity metrics, side by side (eval/runner.py ``diversity_of``): key, column head.
 DIVERSITY_COLUMNS = [("distinct_answers", "distinct answers ↑"), ("answer_entropy", "answer entropy ↑"),
                      ("distinct_1", "distinct-1 ↑"), ("distinct_2", "distinct-2 ↑"),
@@ -275,6 +304,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>Runs: {', '.join(html.escape(r['path']) for r in runs)}</p>"
             f"<h2>Summary</h2>{summary_table(runs)}{diversity_table(runs)}{support_table(runs)}"
+            f"{sparse_selection_table(runs)}"
             f"<h2>Plots</h2><div class='grid'>{body}</div></body></html>")
     out.write_text(page, encoding="utf-8")
     return out

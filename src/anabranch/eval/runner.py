@@ -1,7 +1,8 @@
 """``anabranch eval``: sample n completions per held-out problem from one or more models and score
 them: pass@k, maj@k, mean@n, greedy accuracy, diversity (distinct-n, Self-BLEU, answer entropy and
 the effective rank of the responses' hidden states), maps of the high-reward completions, and with several
-models the empirical support of each against the first (:mod:`anabranch.eval.support`).
+models the empirical support of each against the first (:mod:`anabranch.eval.support`) and where
+each one's top next token departs from the first's (:mod:`anabranch.eval.sparse_selection`).
 
 A model is named as a Hugging Face path or id, a run directory (its ``final/`` model, and its
 ``config.yaml`` for the task when no other config is given) or a checkpoint folder
@@ -37,6 +38,9 @@ class EvalSettings:
     correct_threshold: float = 1.0   # a sample is correct when its correctness reward >= this
     map_problems: int = 4            # problems drawn in the map of high-reward completions
     batch_prompts: int = 16          # prompts per generate call
+    # Sparse selection (Akgül et al. 2026, eval/sparse_selection.py): response positions of each
+    # trained model's completions compared against the first model's next-token ranking; 0: skip.
+    sparse_tokens: int = 2048
 
     def check(self) -> None:
         """Cheap range checks, run before any model is loaded (a bad --n or --k used to surface
@@ -56,6 +60,9 @@ class EvalSettings:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 0:
             raise ConfigError(f"--max-new-tokens must be >= 0 (0: the config's length), got {self.max_new_tokens}")
+        if self.sparse_tokens < 0:
+            raise ConfigError(f"--sparse-tokens must be >= 0 (response positions compared against the base "
+                              f"model; 0: skip the sparse-selection analysis), got {self.sparse_tokens}")
 
 
 @dataclass
@@ -106,8 +113,10 @@ def base_config(models: list[ModelSpec], config_file: str | None, overrides: lis
     return load_config(source, list(overrides))
 
 
-def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tuple[dict, dict]:
-    """(result entry, {problem index: (texts, embeddings)} of high-reward completions)."""
+def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
+                   base: ModelSpec | None = None) -> tuple[dict, dict]:
+    """(result entry, {problem index: (texts, embeddings)} of high-reward completions). With a
+    ``base`` (and ``settings.sparse_tokens``), the entry also gets ``sparse_selection`` against it."""
     from anabranch.data.prompts import build_prompt
     from anabranch.data.tasks import load_task
     from anabranch.eval.accuracy import greedy_accuracy
@@ -139,6 +148,8 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
     completions: list[list[str]] = []
     tool_calls = 0.0  # with rollout.tools: calls summed over the samples
     ranks: list[float] = []  # effective rank per sample, in the order of ro.completions
+    sparse = base is not None and settings.sparse_tokens > 0
+    sampled: list = []  # with sparse: the sampled ids, kept for the comparison with the base model
     for start in range(0, len(prompts), settings.batch_prompts):
         batch = prompts[start:start + settings.batch_prompts]
         ro = backend.generate(batch, settings.n, max_new_tokens=max_new)
@@ -147,6 +158,10 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
             from anabranch.eval.effective_rank import response_effective_ranks
 
             ranks += response_effective_ranks(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+        if sparse:
+            from anabranch.eval.sparse_selection import sequences_of
+
+            sampled += sequences_of(ro, start)
         for g in range(len(batch)):
             completions.append([c for c, gi in zip(ro.completions, ro.group_index.tolist()) if gi == g])
     flat = [c for group in completions for c in group]
@@ -179,6 +194,10 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings) -> tupl
          "distinct_answers": diversity.distinct_answers(a), "answer_entropy": support.answer_entropy(a),
          "samples": [{"completion": t, "answer": ans, "correct": ok} for t, ans, ok in zip(g, a, c)]}
         for r, g, a, c in zip(rows, completions, answers, correct)]
+    if sparse:  # while the trained model is loaded: the base is loaded next to it
+        from anabranch.eval.sparse_selection import against_base
+
+        entry["sparse_selection"] = against_base(cfg, base, model, tokenizer, sampled, settings.sparse_tokens, device)
     del model, backend
     return entry, high
 
@@ -244,14 +263,19 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
     check_model_path(cfg.model.tokenizer, "model.tokenizer")  # every model is loaded with it
     out = Path(out_dir)  # created once there is something to write: a failed load leaves no empty folder
     entries, highs = [], {}
-    for spec in specs:
-        entry, high = evaluate_model(cfg, spec, settings)
+    for i, spec in enumerate(specs):
+        # Later models are compared with the first (sparse selection); the first one alone needs no base.
+        entry, high = evaluate_model(cfg, spec, settings, **({"base": specs[0]} if i else {}))
         entries.append(entry)
         highs[spec.label] = high
         print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())
               + (f", greedy={entry['greedy_accuracy']:.3f}" if "greedy_accuracy" in entry else "")
               + "".join(f", {name.replace('_', ' ')}={v:.3f}" for name, v in (entry.get("diversity") or {}).items()
                         if name in ("answer_entropy", "self_bleu", "effective_rank") and isinstance(v, float)))
+        if "sparse_selection" in entry:
+            from anabranch.eval.sparse_selection import summary_line
+
+            print(summary_line(spec.label, entry["sparse_selection"]))
         if spec.run_dir is not None:  # picked up by `anabranch report`, which shows the n and problems
             _write_run_eval(spec.run_dir / "eval_passk.json", settings, cfg, entry)
     result = {"settings": dataclasses.asdict(settings), "task": dataclasses.asdict(cfg.task), "models": entries}

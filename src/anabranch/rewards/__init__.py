@@ -2,7 +2,7 @@
 
 from anabranch.rewards import (  # noqa: F401 - registration
     code_exec, format_reward, intrinsic, judge, length, majority_vote, math_answer, noisy_verifier,
-    reasoning_gym_score, rlpr,
+    random_reward, reasoning_gym_score, rlpr,
 )
 from anabranch.rewards.compose import RewardSource, Scored, build_rewards, score, score_detailed
 from anabranch.rewards.guard import RewardError, RewardOutput

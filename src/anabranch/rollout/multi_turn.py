@@ -27,6 +27,11 @@ refused past the limit included), the fraction of responses with a call, the fra
 that returned an error, the share of response tokens that are tool output, and the calls run per
 tool (``tools/<name>/calls``); ``time/tools_s``, the wall time spent waiting for tools. Under
 dynamic sampling they are the last generated round's, as the reward metrics are.
+
+``rollout.void_turn_filter`` (SimpleTIR, :mod:`anabranch.rollout.void_turns`): the trainer asks the
+backend (:meth:`ToolUseBackend.filter_void_turns`) which trajectories have a turn with neither a
+tool call nor a final answer, and empties their loss masks after the advantages
+(``tools/void_turn_frac``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 from anabranch.config import ConfigError, RolloutConfig, TaskConfig
 from anabranch.rollout.base import Rollout, left_padded
 from anabranch.rollout.tools import RESULT_TAG, Tool, ToolError, build_tools, tool_instructions
+from anabranch.rollout.void_turns import filter_void_turns
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,13 @@ class ToolUseBackend:
 
     def sync_weights(self, model) -> None:
         self.inner.sync_weights(model)
+
+    def filter_void_turns(self, rollout: Rollout) -> tuple[Rollout, dict]:
+        """SimpleTIR's filter with this backend's tokenizer and tools: ``rollout`` with the loss masks
+        of its trajectories that have a void turn emptied, and ``tools/void_turn_frac``. Done on the
+        step's final batch rather than while generating, so that dynamic sampling's regrouping of
+        rounds (which rebuilds the Rollout) cannot lose the flags: the turns are the loss mask's runs."""
+        return filter_void_turns(rollout, self.tokenizer, self.tools)
 
     # ------------------------------------------------------------------ one response's text, cut at its turn's end
     def _decode(self, ids: list[int]) -> str:

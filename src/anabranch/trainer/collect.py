@@ -42,13 +42,17 @@ class ScoredBatch:
         return torch.tensor(self.total, dtype=torch.float32)
 
 
-def generate_scored(c, idx: list[int], cfg) -> ScoredBatch:
+def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int = 1) -> ScoredBatch:
+    """``step``/``round_``: the training step and dynamic-sampling round, passed to reward functions
+    as the ``train_step``/``sample_round`` fields (the random reward keys its draws on them)."""
     t0 = time.perf_counter()
     rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n)
     t_gen = time.perf_counter() - t0
     groups = rollout.group_index.tolist()
     rows = [c.train_rows[idx[g]] for g in groups]
     extra = trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size)
+    if step is not None:
+        extra.update(train_step=[step] * len(groups), sample_round=[round_] * len(groups))
     # RLPR: the policy's probability of each row's reference answer (one no-grad forward, only when configured)
     if any(s.meta.get("needs_policy_forward") for s in c.rewards):
         extra.update(rlpr_fields(c.rewards, c.model, c.tokenizer, rollout, rows, cfg.trainer.micro_batch_size))
@@ -91,19 +95,20 @@ def kept_groups(batch: ScoredBatch, c, cfg, group_filter: StdFilter | None) -> t
     return group_filter.keep(signal, batch.rollout.group_index)
 
 
-def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = None) -> ScoredBatch:
+def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = None,
+                  step: int | None = None) -> ScoredBatch:
     """``sampler.next(k)`` gives this rank's share of k prompts; ``dist``: a data-parallel run
     (:class:`~anabranch.trainer.distributed.Distributed` with several processes); ``group_filter``:
     RLPR's std filter (``algorithm.dynamic_sampling_filter=std``), whose state this step updates."""
     want = cfg.rollout.prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
-        return generate_scored(c, sampler.next(want), cfg)
+        return generate_scored(c, sampler.next(want), cfg, step)
     if dist is not None and dist.world_size > 1:
-        return collect_dynamic_distributed(c, sampler, cfg, dist, group_filter)
+        return collect_dynamic_distributed(c, sampler, cfg, dist, group_filter, step)
     kept, t_gen, seen, last = [], 0.0, 0, None
     beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
-        last = generate_scored(c, sampler.next(want), cfg)
+        last = generate_scored(c, sampler.next(want), cfg, step, rounds)
         t_gen += last.t_generate
         groups, s, k = kept_groups(last, c, cfg, group_filter)
         std_sum, std_count = std_sum + s, std_count + k
@@ -125,7 +130,8 @@ def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = N
     return batch
 
 
-def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter | None = None) -> ScoredBatch:
+def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter | None = None,
+                                step: int | None = None) -> ScoredBatch:
     """Dynamic sampling over W processes, giving the batch one process would keep.
 
     Every round, all ranks generate their share of the same ``prompts_per_step`` prompts and count
@@ -143,7 +149,7 @@ def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter |
     kept, t_gen, n_global, seen, last = [], 0.0, 0, 0, None
     beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
-        last = generate_scored(c, sampler.next(want), cfg)
+        last = generate_scored(c, sampler.next(want), cfg, step, rounds)
         t_gen += last.t_generate
         groups, s, k = kept_groups(last, c, cfg, group_filter)
         kept.append(select_groups(last, groups))

@@ -31,6 +31,7 @@ from anabranch.trainer.prompt_pairing import PromptPairing
 from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.rl_plus_step import RLPlus
+from anabranch.trainer.ref_reset import RefReset, check_ref_reset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.curriculum import build_sampler
@@ -59,6 +60,7 @@ def train(cfg: Config) -> TrainResult:
 
 def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
+    check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -87,6 +89,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress and dist.is_main)
     kl_ctl = build_kl_controller(c.algo.cfg)  # fixed or adaptive β; its state goes into checkpoints
     std_filter = build_std_filter(cfg.algorithm)  # RLPR's std filter (None unless dynamic_sampling_filter=std)
+    ref_reset = RefReset.create(cfg, dist, c)  # ProRL (trainer/ref_reset.py): None unless algorithm.ref_reset_every
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -111,7 +114,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     ckpt = Checkpointer(cfg, c, run, sampler, scheduler, result, progress, stop,
                         stateful={"kl_controller": kl_ctl,
                                   **({"dph_rehearsal": rehearsal.buffer} if rehearsal is not None else {}),
-                                  **({"std_filter": std_filter} if std_filter is not None else {})},
+                                  **({"std_filter": std_filter} if std_filter is not None else {}),
+                                  **({"ref_reset": ref_reset} if ref_reset is not None else {})},
                         dist=dist)
     start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
     if pairing is not None:  # pre-pass on a fresh run; a resumed run's pairs came back with the sampler
@@ -132,7 +136,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         t0 = time.perf_counter()
         with dist.autocast():  # mixed precision (bf16/fp16 launches) for every forward of the step
             # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter)
+            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
@@ -148,6 +152,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                                      micro_batch_tokens=micro_tokens, dist=dist.active)
             train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
+            if cfg.rollout.void_turn_filter:  # SimpleTIR: void-turn trajectories leave the loss, not the advantages
+                train_rollout, void_metrics = c.backend.filter_void_turns(train_rollout)
+                batch.metrics.update(void_metrics)  # tools/void_turn_frac
             # HPT: groups with accuracy <= gamma leave the RL loss and train on their demonstration instead
             hpt_step = None if hpt is None else hpt.step(batch, train_rollout, c.rewards)
             train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
@@ -176,6 +183,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # schedule still advances by one step, which is what torch's warning is about.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             scheduler.step()
+        if ref_reset is not None:  # after the optimizer step: π_ref ← π_θ (and a fresh optimizer) on the interval
+            metrics.update(ref_reset.after_update(step))
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
