@@ -102,8 +102,11 @@ HEAD = ["run", "algorithm", "steps", "accuracy before", "accuracy after", "final
 
 
 def table(page):
+    """The summary table's rows by run (the diversity and support tables below it have rows per run too)."""
+    summary = page[page.index("<h2>Summary</h2>"):]
+    summary = summary[:summary.index("</table>")]
     rows = {}
-    for tr in re.findall(r"<tr><td>(.*?)</td></tr>", page):
+    for tr in re.findall(r"<tr><td>(.*?)</td></tr>", summary):
         cells = tr.split("</td><td>")
         rows[cells[0]] = dict(zip(HEAD, cells))
     return rows
