@@ -16,6 +16,7 @@ import yaml
 
 # The option groups of single methods (algorithm.flowrl, .dph, .fdpg, .hpt, .rl_plus), in their own module.
 from anabranch.config_algorithm_options import DPHConfig, FDPGConfig, FlowRLConfig, HPTConfig, RLPlusConfig  # noqa: F401
+from anabranch.config_algorithm_options import KDRLConfig  # noqa: F401  (algorithm.kdrl)
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,19 @@ class RolloutConfig:
     prompts_per_step: int = 8
     max_new_tokens: int = 32
     temperature: float = 1.0
+    # Training rollouts' temperature per response position (rollout/temperature_schedule.py):
+    # "constant" (rollout.temperature everywhere) or "ead", Exploratory Annealed Decoding (Yang et
+    # al. 2025, arXiv 2510.05251): τ_t = 1 for t < ead_warmup_tokens, else max(1 + ead_tau_max −
+    # exp(t/d_s), ead_tau_min) with d_s = min(ead_decay + ead_decay_growth·step, ead_decay_max).
+    # EAD needs backend=hf, temperature=1, top_k=0, top_p=1; it records the tempered log-probs so
+    # algorithm.tis_cap (the paper's truncated IS) corrects it. Greedy evaluation is unaffected.
+    temperature_schedule: str = "constant"
+    ead_tau_max: float = 1.2        # τ at the first annealed token (the paper: > 1)
+    ead_tau_min: float = 0.1        # floor of τ
+    ead_decay: float = 500.0        # d_0 (the authors' code: 20·25; not stated in the paper's text)
+    ead_decay_growth: float = 5.0   # growth of d per training step (the paper: 5)
+    ead_decay_max: float = 40000.0  # cap of d (the paper: 40000)
+    ead_warmup_tokens: int = 10     # c: the first c response tokens are sampled at τ = 1
     top_p: float = 1.0
     top_k: int = 0
     # Sequences generated together in one `generate` call (0: all of a step at once).
@@ -305,6 +319,9 @@ class AlgorithmConfig:
     # HPT: SFT on a demonstration instead of RL for prompts the policy fails (any algorithm; off by default).
     hpt: HPTConfig = field(default_factory=HPTConfig)
     rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
+    # KDRL (algorithms/kdrl.py): β·KL(π_θ ‖ teacher) on the student's own samples, beside the reference KL;
+    # off while kdrl.teacher is empty.
+    kdrl: KDRLConfig = field(default_factory=KDRLConfig)
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

@@ -1,5 +1,6 @@
 """Option groups of single methods, nested in ``algorithm`` (``algorithm.flowrl.*``, ``algorithm.dph.*``,
-``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.rl_plus.*``): their keys, defaults and why.
+``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.rl_plus.*``, ``algorithm.kdrl.*``): their keys,
+defaults and why.
 
 Kept apart from config.py, which holds the run's sections; config.py imports them, so
 ``from anabranch.config import HPTConfig`` and the YAML/override loader see them as before.
@@ -111,3 +112,27 @@ class RLPlusConfig:
     demonstration_template: str = "<answer>{answer}</answer>"
     # Longest demonstration trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
     max_demonstration_tokens: int = 1024
+
+
+@dataclass
+class KDRLConfig:
+    """KDRL (``algorithm.kdrl``; Xu et al. 2025, arXiv 2506.02208; algorithms/kdrl.py): GRPO plus
+    β·KL(π_θ ‖ π_teacher) on the student's own samples, L_KD = β_s · agg(w_i · k2), k2 = ½(log π_θ − log π_T)²,
+    w_i the reward-guided mask."""
+
+    # The teacher: a local model folder, a Hugging Face Hub id or packaged:NAME (as model.path); "" turns
+    # KDRL off. It must share the student's tokenizer (same vocabulary); it is frozen, loaded in model.dtype.
+    teacher: str = ""
+    # β of the KD term at the first step (the paper anneals 5e-3 -> 1e-3; must be > 0).
+    coef: float = 5e-3
+    # "constant" (β = coef) or "linear" (coef at step 1 to coef_final at step anneal_steps, then held; the
+    # shape is assumed).
+    schedule: str = "linear"
+    coef_final: float = 1e-3
+    # Steps of the linear anneal; 0: the whole run (trainer.steps).
+    anneal_steps: int = 0
+    # Per-token estimator of the reverse KL to the teacher: k2 (the paper's choice), k1 or k3 (algorithms/kl.py).
+    estimator: str = "k2"
+    # Reward-guided KD: "response" (no KD on correct responses, the paper), "group" (KD only on prompts with no
+    # correct sample; assumed reading) or "none" (KD on every response).
+    mask: str = "response"

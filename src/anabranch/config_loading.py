@@ -239,6 +239,27 @@ def validate(cfg: Config) -> None:
         (cfg.trainer.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", "must be >= 1"),
         (cfg.trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no periodic checkpoints)"),
         (cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 turns top-k off)"),
+        # EAD (rollout/temperature_schedule.py): the hf sampler applies τ_t itself and records the
+        # tempered log-probs; vLLM has no per-position temperature, and a base temperature or a
+        # top-k / top-p filter would make the recorded log-probs differ from the sampled distribution.
+        (cfg.rollout.temperature_schedule in ("constant", "ead"), "rollout.temperature_schedule",
+         "must be constant or ead"),
+        (cfg.rollout.temperature_schedule != "ead" or cfg.rollout.backend == "hf", "rollout.backend",
+         "must be hf with rollout.temperature_schedule=ead: vLLM's sampling parameters have no "
+         "per-position temperature"),
+        (cfg.rollout.temperature_schedule != "ead" or cfg.rollout.temperature == 1.0, "rollout.temperature",
+         "must be 1.0 with rollout.temperature_schedule=ead: the schedule sets each token's temperature "
+         "and the trainer's target policy is π_θ at temperature 1"),
+        (cfg.rollout.temperature_schedule != "ead" or (cfg.rollout.top_k == 0 and cfg.rollout.top_p == 1.0),
+         "rollout.top_k", "must be 0 and rollout.top_p 1.0 with rollout.temperature_schedule=ead (the "
+         "paper samples the full tempered distribution, whose log-probs the sampler records)"),
+        (cfg.rollout.ead_tau_min > 0, "rollout.ead_tau_min", "must be > 0"),
+        (cfg.rollout.ead_tau_max >= cfg.rollout.ead_tau_min, "rollout.ead_tau_max",
+         "must be >= rollout.ead_tau_min"),
+        (cfg.rollout.ead_decay > 0, "rollout.ead_decay", "must be > 0 (d_0 of τ_t = max(1 + τ_max − e^(t/d), τ_min))"),
+        (cfg.rollout.ead_decay_growth >= 0, "rollout.ead_decay_growth", "must be >= 0"),
+        (cfg.rollout.ead_decay_max >= cfg.rollout.ead_decay, "rollout.ead_decay_max", "must be >= rollout.ead_decay"),
+        (cfg.rollout.ead_warmup_tokens >= 0, "rollout.ead_warmup_tokens", "must be >= 0"),
         (cfg.rollout.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1"),
         (cfg.rollout.tool_output_max_tokens >= 1, "rollout.tool_output_max_tokens", "must be >= 1"),
         (cfg.rollout.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0"),
@@ -280,6 +301,12 @@ def validate(cfg: Config) -> None:
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"config key {key!r} {why} (got {_get(cfg, key)!r})")
+    if cfg.rollout.temperature_schedule == "ead":  # imported only then: it needs torch
+        from anabranch.rewards.guard import warn
+        from anabranch.rollout.temperature_schedule import ead_tis_warning
+
+        if (text := ead_tis_warning(cfg)) is not None:
+            warn(text)
 
 
 def _get(cfg: Config, key: str):

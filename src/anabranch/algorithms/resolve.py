@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from anabranch.algorithms.aggregation import MODES
+from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.config import AlgorithmConfig, ConfigError
@@ -106,8 +107,10 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
                      aux_losses=aux,
-                     # Lp-Reg's selection is per micro-batch, which leaving rows out would change.
-                     inert_at_zero_advantage=bool(obj_meta.get("inert_at_zero_advantage")) and cfg.lp_reg_coef == 0)
+                     # Lp-Reg's selection is per micro-batch, which leaving rows out would change; KDRL's
+                     # teacher KL (algorithms/kdrl.py) has a gradient on rows whose advantage is 0.
+                     inert_at_zero_advantage=bool(obj_meta.get("inert_at_zero_advantage")) and cfg.lp_reg_coef == 0
+                     and not kdrl_on(cfg))
 
 
 def check_ranges(cfg: AlgorithmConfig) -> None:
@@ -225,6 +228,12 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.rl_plus.enabled: RL-PLUS adds a policy-gradient term r_t·Â·C_t beside a loss "
                           f"linear in the advantage (PPO, GRPO, CISPO, ...), not loss={cfg.loss!r}, which reads the "
                           f"reward back from its advantages; set algorithm.rl_plus.enabled=false or another loss")
+    # KDRL's teacher KL (algorithms/kdrl.py); the teacher's path and vocabulary are checked when it loads.
+    from anabranch.algorithms.kdrl import check_kdrl
+
+    error = check_kdrl(cfg.kdrl)
+    if error:
+        raise ConfigError(error)
 
 
 def _check_reward_target(cfg: AlgorithmConfig) -> None:

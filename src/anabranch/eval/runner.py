@@ -128,7 +128,9 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
     from anabranch.trainer.components import pick_device
 
     mcfg = dataclasses.replace(cfg.model, path=spec.path)
-    rcfg = dataclasses.replace(cfg.rollout, temperature=settings.temperature, top_p=settings.top_p)
+    # The eval samples at its own --temperature/--top-p: a training schedule (EAD) is not the model's distribution.
+    rcfg = dataclasses.replace(cfg.rollout, temperature=settings.temperature, top_p=settings.top_p,
+                               temperature_schedule="constant")
     source = truth_source(cfg)
     _, rows = load_task(cfg.task)
     if not rows:

@@ -3,6 +3,10 @@
 Prompts are left-padded whatever the tokenizer's ``padding_side`` (every response starts at the same
 column). ``seed`` makes a call reproducible: it seeds torch's generators (forked for the call, so the
 caller's are left as they were), which ``generate`` draws every sample from.
+
+With ``rollout.temperature_schedule=ead`` (:mod:`anabranch.rollout.temperature_schedule`) sampled
+rollouts draw each token at its position's temperature τ_t and return the log-probs of the tempered
+distribution as ``sample_log_probs``; greedy calls (evaluation) and the constant schedule are unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from anabranch.config import RolloutConfig
 from anabranch.models.shared_prefix import shared_prompt_cache
 from anabranch.rollout.base import ROLLOUT_BACKENDS, Rollout, left_padded, response_mask_from_eos, seeded_torch
+from anabranch.rollout.temperature_schedule import AnnealedTemperature, make_schedule
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -60,9 +65,24 @@ class HFGenerateBackend:
         self.eos_ids = eos_token_ids(model, tokenizer)
         # Prefill each prompt once for its n samples (models/shared_prefix.py) where the model allows.
         self.share_prompt_prefix = True
+        # EAD's schedule (None: constant temperature) and its training step s, counted in weight syncs
+        # (one per optimizer step): d_s grows with it.
+        self.schedule = make_schedule(cfg)
+        self.schedule_step = 0
 
     def sync_weights(self, model) -> None:  # samples from the training model: nothing to sync
         self.model = model
+        self.schedule_step += 1
+
+    def _annealer(self, kwargs: dict, width: int, offsets: list[int]) -> AnnealedTemperature | None:
+        """EAD's logits processor for one ``generate`` call that samples, else None."""
+        if self.schedule is None or not kwargs["do_sample"]:
+            return None
+        from transformers import LogitsProcessorList
+
+        proc = AnnealedTemperature(self.schedule, self.schedule_step, width, torch.tensor(offsets))
+        kwargs["logits_processor"] = LogitsProcessorList([proc])
+        return proc
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, greedy: bool = False,
@@ -81,10 +101,10 @@ class HFGenerateBackend:
         self.model.eval()
         try:
             with seeded_torch(seed, device):
-                pieces = self._generate_chunks(prompt_ids, prompt_mask, chunk, device, kwargs)
+                pieces, lps = self._generate_chunks(prompt_ids, prompt_mask, chunk, device, kwargs)
         finally:
             self.model.train(was_training)
-        return self._rollout(pieces, prompt_ids, prompt_mask, group_index, prompts)
+        return self._rollout(pieces, prompt_ids, prompt_mask, group_index, prompts, lps)
 
     def _generation_kwargs(self, greedy: bool, max_new: int, min_new: int) -> dict:
         tok = self.tokenizer
@@ -108,7 +128,9 @@ class HFGenerateBackend:
         multi-turn rollouts' next turn, :mod:`anabranch.rollout.multi_turn`), at most ``max_new[i]``
         tokens for row ``i``, stopping early at EOS or after any of the ``stop`` strings. Returns the
         raw new tokens of each row (cut at its budget, not at EOS or a stop string: the caller cuts)
-        and no sampling log-probs (the sampler is the trained model itself)."""
+        and no sampling log-probs (the sampler is the trained model itself), except with EAD: the
+        tempered log-probs, the position of a row's next token being its response length so far,
+        ``rollout.max_new_tokens − max_new[i]`` (the multi-turn rollout's budget left)."""
         tok = self.tokenizer
         ids, mask = left_padded(sequences, tok.pad_token_id)
         width = ids.shape[1]
@@ -117,21 +139,28 @@ class HFGenerateBackend:
             kwargs.update(stop_strings=list(stop), tokenizer=tok)
         device = next(self.model.parameters()).device
         chunk = self.cfg.generation_batch_size or len(sequences)
-        pieces = []
+        pieces, lps = [], []
         was_training = self.model.training
         self.model.eval()
         try:
             with seeded_torch(seed, device):
                 for start in range(0, len(sequences), chunk):
+                    ead = self._annealer(kwargs, width, [max(self.cfg.max_new_tokens - m, 0)
+                                                         for m in max_new[start:start + chunk]])
                     out = self.model.generate(input_ids=ids[start:start + chunk].to(device),
                                               attention_mask=mask[start:start + chunk].to(device), **kwargs)
                     pieces += out[:, width:].cpu().tolist()
+                    if ead is not None:
+                        lps += ead.log_probs(out[:, width:]).tolist()
         finally:
             self.model.train(was_training)
-        return [(row[:budget], None) for row, budget in zip(pieces, max_new)]
+        if not lps:
+            return [(row[:budget], None) for row, budget in zip(pieces, max_new)]
+        return [(row[:budget], lp[:budget]) for row, lp, budget in zip(pieces, lps, max_new)]
 
-    def _generate_chunks(self, prompt_ids, prompt_mask, chunk, device, kwargs) -> list[torch.Tensor]:
-        pieces = []
+    def _generate_chunks(self, prompt_ids, prompt_mask, chunk, device, kwargs):
+        """The generated columns of each chunk, and with EAD their tempered log-probs (else None)."""
+        pieces, lps = [], []
         for start in range(0, prompt_ids.shape[0], chunk):
             ids = prompt_ids[start:start + chunk].to(device)
             mask = prompt_mask[start:start + chunk].to(device)
@@ -139,11 +168,14 @@ class HFGenerateBackend:
             # not under synced_gpus, where every rank must run the same forwards.
             cache = None if kwargs.get("synced_gpus") or not self.share_prompt_prefix \
                 else shared_prompt_cache(self.model, ids, mask)
+            ead = self._annealer(kwargs, ids.shape[1], [0] * ids.shape[0])
             out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
             pieces.append(out[:, ids.shape[1]:].cpu())
-        return pieces
+            if ead is not None:
+                lps.append(ead.log_probs(pieces[-1]))
+        return pieces, (lps or None)
 
-    def _rollout(self, pieces, prompt_ids, prompt_mask, group_index, prompts) -> Rollout:
+    def _rollout(self, pieces, prompt_ids, prompt_mask, group_index, prompts, lps=None) -> Rollout:
         tok = self.tokenizer
         width = max(p.shape[1] for p in pieces)
         pad = tok.pad_token_id
@@ -156,8 +188,12 @@ class HFGenerateBackend:
             tok.decode(row[m.bool()], skip_special_tokens=True)
             for row, m in zip(response_ids, response_mask)
         ]
+        sample_lp = None
+        if lps is not None:  # as the vLLM backend gives them: 0 past the response
+            sample_lp = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in lps])
+            sample_lp = sample_lp * response_mask
         return Rollout(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
             response_mask=response_mask, group_index=group_index, prompts=list(prompts),
-            completions=completions, truncated=truncated,
+            completions=completions, truncated=truncated, sample_log_probs=sample_lp,
         )

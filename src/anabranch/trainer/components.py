@@ -27,6 +27,7 @@ from anabranch.rollout import ROLLOUT_BACKENDS
 from anabranch.rollout.multi_turn import prompt_task, with_tools
 from anabranch.rollout.tools import build_tools
 from anabranch.trainer.host_memory import keep_freed_host_memory
+from anabranch.trainer.kdrl_step import check_teacher_path, load_teacher
 from anabranch.trainer.preflight import check_paths, check_prompt_lengths
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Components:
     train_prompts: list[str]
     eval_prompts: list[str]
     modules: dict
+    teacher: Any = None  # KDRL's frozen teacher (trainer/kdrl_step.py); None unless algorithm.kdrl.teacher
 
 
 def seed_everything(seed: int) -> None:
@@ -66,6 +68,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     """Everything a run needs. ``mixed_precision`` (``no``/``bf16``/``fp16``, the launcher's autocast)
     sets the vLLM engine's precision when ``rollout.vllm_dtype=auto``."""
     check_paths(cfg)  # model.path, model.tokenizer, trainer.resume exist
+    check_teacher_path(cfg)  # algorithm.kdrl.teacher (KDRL), likewise
     algo = resolve_algorithm(cfg.algorithm)
     if ADVANTAGES.meta(algo.cfg.advantage).get("group") and cfg.rollout.n < 2:
         raise ConfigError("rollout.n must be >= 2 for group-relative advantages (got 1)")
@@ -103,6 +106,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
         compile_policy_layers(model, device, cfg)
     ref_model = (reference_policy(model, cfg.model, lambda: load_model(cfg.model, device, trainable=False))
                  if "ref_log_prob" in algo.needs else None)
+    teacher = load_teacher(cfg, tokenizer, device)  # KDRL (trainer/kdrl_step.py): None unless kdrl.teacher
     backend_kwargs = {}
     if cfg.rollout.backend == "vllm":  # the engine's precision and KV cache are fixed when it starts
         backend_kwargs = {"mixed_precision": mixed_precision,
@@ -116,7 +120,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}
     optimizer = build_optimizer(cfg, model, modules)
     return Components(cfg, algo, rewards, tokenizer, model, ref_model, backend, optimizer, device,
-                      train_rows, eval_rows, train_prompts, eval_prompts, modules=modules)
+                      train_rows, eval_rows, train_prompts, eval_prompts, modules=modules, teacher=teacher)
 
 
 def compile_policy_layers(model, device: torch.device, cfg: Config) -> None:
@@ -206,7 +210,9 @@ def warn_unused_tis(cfg: Config) -> str | None:
     """``algorithm.tis_cap`` corrects the gap between an inference engine's sampling log-probs and the
     trainer's; the generate backend samples from the trained model itself and returns none, so the
     setting does nothing there. Said once, at the start; returns the warning."""
-    if cfg.algorithm.tis_cap <= 0 or cfg.rollout.backend != "hf":
+    # With EAD the generate backend samples from a tempered distribution and records its log-probs,
+    # so the cap does correct something there.
+    if cfg.algorithm.tis_cap <= 0 or cfg.rollout.backend != "hf" or cfg.rollout.temperature_schedule != "constant":
         return None
     from anabranch.rewards.guard import warn
 

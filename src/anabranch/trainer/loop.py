@@ -31,6 +31,7 @@ from anabranch.trainer.prompt_pairing import PromptPairing
 from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.rl_plus_step import RLPlus
+from anabranch.trainer.kdrl_step import KDRL
 from anabranch.trainer.ref_reset import RefReset, check_ref_reset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
@@ -78,6 +79,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         sampler = rehearsal.wrap_sampler(sampler)
     hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
     rl_plus = RLPlus.create(cfg, dist, c)  # RL-PLUS (trainer/rl_plus_step.py): None unless algorithm.rl_plus.enabled
+    kdrl = KDRL.create(cfg, dist, c)  # KDRL (trainer/kdrl_step.py): None unless algorithm.kdrl.teacher
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -136,6 +138,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         t0 = time.perf_counter()
         with dist.autocast():  # mixed precision (bf16/fp16 launches) for every forward of the step
             # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
+            if cfg.rollout.temperature_schedule != "constant":  # EAD's d_s: s = optimizer steps done, exact on resume
+                c.backend.schedule_step = step - 1
             batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
@@ -160,12 +164,16 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
             # RL-PLUS: each prompt's demonstration, its advantage and π_old, before the update changes the policy
             rlp_step = None if rl_plus is None else rl_plus.step(batch, train_rollout, c.model)
+            # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
+            kd_step = None if kdrl is None else kdrl.step(step, batch, rollout, c.rewards, micro_tokens)
+            precomputed = with_dsdr(adv.precomputed, dsdr_weight)
+            precomputed = precomputed if kd_step is None else kd_step.precomputed(precomputed)
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
                 ref_model=c.ref_model, modules=c.modules, kl_coef=adv.kl_coef,
-                precomputed=with_dsdr(adv.precomputed, dsdr_weight),
+                precomputed=precomputed,
                 dist=dist.active, micro_batch_tokens=micro_tokens,
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                 zero_advantage_rows=cfg.trainer.zero_advantage_rows,
@@ -188,7 +196,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
-                        **({} if rlp_step is None else rlp_step.metrics)})
+                        **({} if rlp_step is None else rlp_step.metrics),
+                        **({} if kd_step is None else kd_step.metrics)})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)

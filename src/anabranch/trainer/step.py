@@ -20,6 +20,7 @@ import torch
 from anabranch.algorithms.aggregation import aggregate, batch_scale, masked_mean
 from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnostics
 from anabranch.algorithms.dsdr import dsdr_local_loss
+from anabranch.algorithms.kdrl import kd_loss
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.lp_reg import lp_reg_loss
 from anabranch.algorithms.rover import response_vocab_mean
@@ -141,6 +142,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
     # DSDR's local term (algorithms/dsdr.py): per-row weights γ_i/N_C from the rollout's scoring.
     dsdr_w = pre.get("dsdr_weight") if cfg.dsdr_local_coef != 0 else None
+    # KDRL (algorithms/kdrl.py, trainer/kdrl_step.py): the teacher's log-probs and each row's β_s·w_i.
+    kd_lp, kd_w = pre.get("teacher_log_prob"), pre.get("kdrl_weight")
+    if kd_lp is not None:
+        kd_lp, kd_w = kd_lp.to(device), kd_w.to(device)
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs or dsdr_w is not None
     lp_reg = (cfg.lp_reg_kappa, cfg.lp_reg_tau) if cfg.lp_reg_coef > 0 else None  # Lp-Reg's proxy, only when on
     if params is None:
@@ -195,6 +200,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     kl = kl_penalty(fo.log_probs, ref_lp[sl], cfg.kl_estimator)
                     loss = loss + kl_coef * agg(kl, m)
                     metrics["kl_ref"] = masked_mean(kl.detach(), m).item()
+                if kd_lp is not None:  # KDRL: β_s·KL(π_θ ‖ π_teacher) on the same forward, beside the reference KL
+                    kd, kd_metrics = kd_loss(fo.log_probs, kd_lp[sl], m, kd_w[sl], cfg.kdrl.estimator, agg)
+                    loss = loss + kd
+                    metrics.update(kd_metrics)
                 if lp_reg is not None:  # Lp-Reg (algorithms/lp_reg.py): protect the low-probability sparks
                     lp_loss, lp_metrics = lp_reg_loss(fo.log_probs, fo.proxy_log_prob, adv, m, cfg, agg)
                     loss = loss + lp_loss
