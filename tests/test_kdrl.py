@@ -213,3 +213,14 @@ def test_recipe_loads_and_refuses_to_run_without_a_teacher():
     with pytest.raises(ConfigError, match="algorithm.kdrl.anneal_steps is set but algorithm.kdrl.teacher is empty"):
         resolve_algorithm(cfg.algorithm)
     assert resolve_algorithm(dataclasses.replace(cfg.algorithm, kdrl=dataclasses.replace(k, teacher="t")))
+
+
+@pytest.mark.parametrize("other", [{"dynamic_sampling": True}, {"hpt": "enabled"}])
+def test_group_mask_is_refused_where_its_groups_never_reach_the_loss(other):
+    """mask=group distils prompts with no correct sample: dynamic sampling drops them, HPT takes them to SFT."""
+    from anabranch.config import HPTConfig
+
+    extra = {"dynamic_sampling": True} if "dynamic_sampling" in other else {"hpt": HPTConfig(enabled=True)}
+    with pytest.raises(ConfigError, match="algorithm.kdrl.mask=group"):
+        resolve_algorithm(AlgorithmConfig(kdrl=KDRLConfig(teacher="t", mask="group"), **extra))
+    resolve_algorithm(AlgorithmConfig(kdrl=KDRLConfig(teacher="t", mask="response"), **extra))  # fine

@@ -220,3 +220,12 @@ def test_ddp_every_rank_resets_its_own_replica(tiny_model_dir, tmp_path):
         assert r["history"][1]["kl_ref"] == pytest.approx(0, abs=1e-7)  # reset after step 1
         assert [m["ref/resets"] for m in r["history"]] == [1, 2]
     assert all(torch.equal(ranks[0]["ref"][k], ranks[1]["ref"][k]) for k in ranks[0]["ref"])
+
+
+def test_only_the_main_rank_copies_the_reset_reference_into_its_state():
+    """Every rank builds the checkpoint state, only rank 0 writes it: no model-sized copy elsewhere."""
+    model, ref, opt = tiny_pair()
+    rr = RefReset(every=1, reset_optimizer=False, model=model, ref_model=ref, optimizer=opt, is_main=False)
+    train_step(model, opt)
+    rr.after_update(1)
+    assert same(ref, model) and rr.state_dict()["ref_weights"] is None and rr.state_dict()["resets"] == 1

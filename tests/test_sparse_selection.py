@@ -191,3 +191,17 @@ def test_report_shows_the_sparse_selection_table(tmp_path):
     (run / "eval_passk.json").write_text(json.dumps(saved))
     assert "the tokenizers differ</td>" in sparse_selection_table([read_run(base), read_run(run)])
     assert sparse_selection_table([read_run(base)]) == ""
+
+
+def test_out_of_memory_with_the_base_keeps_the_entry(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
+    import anabranch.eval.sparse_selection as sparse
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(sparse, "against_base", oom)
+    settings = EvalSettings(n=2, greedy=False, embeddings=False, effective_rank=False, sparse_tokens=5)
+    run_eval([tiny_model_dir, tiny_model_dir], None, eval_overrides(tiny_model_dir, digit_task(write_jsonl)),
+             settings, tmp_path / "ev")
+    second = json.loads((tmp_path / "ev" / "passk.json").read_text())["models"][1]
+    assert "pass@k" in second and "out of memory" in second["sparse_selection"]["error"]

@@ -192,3 +192,13 @@ def test_rlpr_training_with_the_filter_resumes_its_threshold(tiny_model_dir, wri
     # step 2 after the resume filters with the restored average (a fresh filter would be in warm-up: 0)
     assert resumed.history[1]["std_filter/threshold"] == pytest.approx(h[1]["std_filter/threshold"])
     assert resumed.history[1]["std_filter/ema"] == pytest.approx(h[1]["std_filter/ema"])
+
+
+def test_std_filter_on_right_wrong_flags_warns(capsys):
+    load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_filter=std"])
+    out = capsys.readouterr()
+    assert "dynamic_sampling_metric=reward" in out.out + out.err
+    load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_filter=std",
+                       "algorithm.dynamic_sampling_metric=reward"])
+    out = capsys.readouterr()
+    assert "dynamic_sampling_metric=reward" not in out.out + out.err

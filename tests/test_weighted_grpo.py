@@ -114,3 +114,15 @@ def test_paired_run_with_weighted_grpo(tiny_model_dir, write_jsonl, tmp_path):
     for m in res.history:
         assert math.isfinite(m["loss"]) and math.isfinite(m["advantage/mean"])
         assert 0 <= m["pairing/qplus_accuracy"] <= 1 and 0 <= m["pairing/qminus_accuracy"] <= 1
+
+
+def test_weighted_grpo_without_pairing_is_refused_when_the_config_loads():
+    """Before any model loads (config_loading.validate), not at the pairing pre-pass."""
+    from anabranch import load_config
+
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage=weighted_grpo.*task\.pairing=true"):
+        load_config(None, ["algorithm.name=weighted_grpo"])
+    assert load_config(None, ["algorithm.name=weighted_grpo", "task.pairing=true"]).algorithm.advantage == NAME_WG
+
+
+NAME_WG = "weighted_grpo"

@@ -301,6 +301,18 @@ def validate(cfg: Config) -> None:
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"config key {key!r} {why} (got {_get(cfg, key)!r})")
+    # Weighted GRPO reads the q+/q− roles of prompt pairing: refused here, before any model loads.
+    if cfg.algorithm.advantage == "weighted_grpo" and not cfg.task.pairing:
+        from anabranch.algorithms.weighted_grpo import check_needs_pairing
+
+        check_needs_pairing(cfg)
+    if cfg.algorithm.dynamic_sampling_filter == "std" and cfg.algorithm.dynamic_sampling_metric == "accuracy":
+        # RLPR's filter measures the spread of the reward; on the right/wrong flags it measures p̂(1−p̂).
+        from anabranch.rewards.guard import warn
+
+        warn("algorithm.dynamic_sampling_filter=std with algorithm.dynamic_sampling_metric=accuracy: the std is taken "
+             "over the correctness reward's right/wrong flags, not over the reward the policy is trained on (RLPR "
+             "filters on its probability reward: set algorithm.dynamic_sampling_metric=reward)")
     if cfg.rollout.temperature_schedule == "ead":  # imported only then: it needs torch
         from anabranch.rewards.guard import warn
         from anabranch.rollout.temperature_schedule import ead_tis_warning

@@ -234,6 +234,18 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     error = check_kdrl(cfg.kdrl)
     if error:
         raise ConfigError(error)
+    # mask=group distils only prompts with no correct sample: the very groups that dynamic sampling on
+    # right/wrong drops and that HPT (accuracy <= gamma) takes out of the RL loss, so it would never act.
+    if cfg.kdrl.teacher and cfg.kdrl.mask == "group":
+        if cfg.dynamic_sampling and cfg.dynamic_sampling_metric == "accuracy":
+            raise ConfigError("algorithm.kdrl.mask=group with algorithm.dynamic_sampling (metric 'accuracy'): dynamic "
+                              "sampling drops the groups with no correct sample, the only ones this mask distils, so "
+                              "the teacher term would never act; use algorithm.kdrl.mask=response or turn dynamic "
+                              "sampling off")
+        if cfg.hpt.enabled:
+            raise ConfigError("algorithm.kdrl.mask=group with algorithm.hpt.enabled: HPT takes the groups with no "
+                              "correct sample out of the RL loss, the only ones this mask distils, so the teacher term "
+                              "would never act; use algorithm.kdrl.mask=response or turn HPT off")
 
 
 def _check_reward_target(cfg: AlgorithmConfig) -> None:

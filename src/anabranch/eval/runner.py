@@ -196,11 +196,23 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
          "distinct_answers": diversity.distinct_answers(a), "answer_entropy": support.answer_entropy(a),
          "samples": [{"completion": t, "answer": ans, "correct": ok} for t, ans, ok in zip(g, a, c)]}
         for r, g, a, c in zip(rows, completions, answers, correct)]
+    del backend  # sampling is done: its engine (vLLM's reserved memory) goes before a second model loads
     if sparse:  # while the trained model is loaded: the base is loaded next to it
+        import gc
+
         from anabranch.eval.sparse_selection import against_base
 
-        entry["sparse_selection"] = against_base(cfg, base, model, tokenizer, sampled, settings.sparse_tokens, device)
-    del model, backend
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            entry["sparse_selection"] = against_base(cfg, base, model, tokenizer, sampled, settings.sparse_tokens,
+                                                     device)
+        except torch.OutOfMemoryError as err:  # the entry's other results are kept; --sparse-tokens 0 skips it
+            entry["sparse_selection"] = {"base": base.label, "max_tokens": settings.sparse_tokens,
+                                         "error": f"out of memory with the base model loaded beside it ({err}); "
+                                                  "rerun with --sparse-tokens 0 to skip"}
+    del model
     return entry, high
 
 

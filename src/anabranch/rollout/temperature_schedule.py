@@ -29,8 +29,8 @@ it off by default), so ``algorithm.tis_cap`` stays the user's choice; EAD withou
 
 Positions are response token indices: in multi-turn rollouts with tools the tool outputs inside the
 response count as positions too (τ keeps cooling across turns). The step s is the number of
-optimizer steps done before the rollout: the backend counts its weight syncs (one per optimizer
-step), and the training loop sets it at every step, so a resumed run continues the schedule.
+training steps done before the rollout (one ``policy_update`` each, whatever its ppo_epochs): the
+backend counts its weight syncs (one per training step), and the training loop sets it at every step, so a resumed run continues the schedule.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         t0 = time.perf_counter()
         with dist.autocast():  # mixed precision (bf16/fp16 launches) for every forward of the step
             # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
-            if cfg.rollout.temperature_schedule != "constant":  # EAD's d_s: s = optimizer steps done, exact on resume
+            if cfg.rollout.temperature_schedule != "constant":  # EAD's d_s: s = training steps done, exact on resume
                 c.backend.schedule_step = step - 1
             batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages

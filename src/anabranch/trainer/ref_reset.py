@@ -68,8 +68,10 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 class RefReset:
     """Resets ``ref_model`` to ``model`` every ``every`` steps; a ``stateful`` checkpoint object."""
 
-    def __init__(self, every: int, reset_optimizer: bool, model, ref_model, optimizer):
+    def __init__(self, every: int, reset_optimizer: bool, model, ref_model, optimizer, is_main: bool = True):
         self.every, self.reset_optimizer = int(every), bool(reset_optimizer)
+        # Only rank 0 writes checkpoints; every rank builds the state, so only it copies the weights.
+        self.is_main = bool(is_main)
         self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
         self.resets = 0
         self.last_step = 0  # the step of the last reset; 0: the reference is still the initial model
@@ -90,7 +92,8 @@ class RefReset:
             raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every} is not supported with FSDP or "
                               "DeepSpeed; use DDP (configs/accelerate/multi_gpu_ddp.yaml) or one process")
         # DDP: every rank holds the whole policy, identical across ranks, and copies its own replica.
-        return cls(a.ref_reset_every, a.ref_reset_optimizer, c.model, c.ref_model, c.optimizer)
+        return cls(a.ref_reset_every, a.ref_reset_optimizer, c.model, c.ref_model, c.optimizer,
+                   is_main=getattr(dist, "is_main", True))
 
     def after_update(self, step: int) -> dict:
         """Call after step ``step``'s optimizer update: reset on the interval; the step's metrics."""
@@ -111,7 +114,7 @@ class RefReset:
         # Before the first reset the reference is the initial model, which a resumed run loads
         # itself: only a reset reference is worth its (model-sized) place in the checkpoint.
         weights = None
-        if self.resets:
+        if self.resets and self.is_main:  # other ranks' states are not written: no model-sized copy there
             weights = {k: v.detach().to("cpu", copy=True) for k, v in self.ref_model.state_dict().items()}
         return {"resets": self.resets, "last_step": self.last_step, "every": self.every, "ref_weights": weights}
 
