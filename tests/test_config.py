@@ -157,3 +157,16 @@ def test_recipe_fills_unset_keys_and_explicit_values_win():
 def test_unknown_algorithm_fails_at_load_time():
     with pytest.raises(ConfigError, match="algorithm.name.*'grpo'"):
         load_config(None, ["algorithm.name=grop"])
+
+
+@pytest.mark.parametrize("override, turn_on", [
+    ("rollout.ead_tau_min=0.2", "rollout.temperature_schedule=ead"),
+    ("algorithm.std_filter_beta=1.0", "algorithm.dynamic_sampling_filter=std"),
+    ("algorithm.ref_reset_optimizer=false", "algorithm.ref_reset_every > 0"),
+])
+def test_options_of_a_method_that_is_off_are_refused(override, turn_on):
+    from anabranch.config import ConfigError
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"'{key}' has no effect unless {turn_on}"):
+        load_config(None, [override])

@@ -301,6 +301,7 @@ def validate(cfg: Config) -> None:
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"config key {key!r} {why} (got {_get(cfg, key)!r})")
+    _refuse_inactive(cfg)
     # Weighted GRPO reads the q+/q− roles of prompt pairing: refused here, before any model loads.
     if cfg.algorithm.advantage == "weighted_grpo" and not cfg.task.pairing:
         from anabranch.algorithms.weighted_grpo import check_needs_pairing
@@ -319,6 +320,28 @@ def validate(cfg: Config) -> None:
 
         if (text := ead_tis_warning(cfg)) is not None:
             warn(text)
+
+
+# Options of one method that do nothing unless another key turns it on: a value set there is a
+# mistake to say, not to ignore (section, its keys, whether the method is on, what turns it on).
+_GATED = [
+    ("rollout", ("ead_tau_max", "ead_tau_min", "ead_decay", "ead_decay_growth", "ead_decay_max", "ead_warmup_tokens"),
+     lambda c: c.rollout.temperature_schedule == "ead", "rollout.temperature_schedule=ead"),
+    ("algorithm", ("std_filter_beta", "std_filter_ema_decay", "std_filter_warmup_steps", "std_filter_init_steps"),
+     lambda c: c.algorithm.dynamic_sampling_filter == "std", "algorithm.dynamic_sampling_filter=std"),
+    ("algorithm", ("ref_reset_optimizer",), lambda c: c.algorithm.ref_reset_every > 0, "algorithm.ref_reset_every > 0"),
+]
+
+
+def _refuse_inactive(cfg: Config) -> None:
+    for section, keys, active, turn_on in _GATED:
+        if active(cfg):
+            continue
+        ours, default = getattr(cfg, section), type(getattr(cfg, section))()
+        changed = [k for k in keys if getattr(ours, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(f"config key '{section}.{changed[0]}' has no effect unless {turn_on} (got "
+                              f"{getattr(ours, changed[0])!r}); set {turn_on} or leave it at its default")
 
 
 def _get(cfg: Config, key: str):
