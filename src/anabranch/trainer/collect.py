@@ -106,7 +106,7 @@ def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = N
     if dist is not None and dist.world_size > 1:
         return collect_dynamic_distributed(c, sampler, cfg, dist, group_filter, step)
     kept, t_gen, seen, last = [], 0.0, 0, None
-    beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
+    std_sum, std_count = 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg, step, rounds)
         t_gen += last.t_generate
@@ -124,9 +124,8 @@ def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = N
     # Reward-source metrics of the last round generated (failure counts are per call).
     batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(n_kept, want)),
                      "dynamic_sampling/kept_frac_of_generated": n_kept / max(seen, 1)}
-    if group_filter is not None:
-        group_filter.end_step(std_sum, std_count)
-        batch.metrics.update(group_filter.metrics(beta))
+    if group_filter is not None:  # the threshold moves for the next step; the metrics hold this one's
+        batch.metrics.update(group_filter.end_step(std_sum, std_count))
     return batch
 
 
@@ -147,7 +146,7 @@ def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter |
     """
     want, world = cfg.rollout.prompts_per_step, dist.world_size
     kept, t_gen, n_global, seen, last = [], 0.0, 0, 0, None
-    beta, std_sum, std_count = (None if group_filter is None else group_filter.threshold), 0.0, 0
+    std_sum, std_count = 0.0, 0
     for rounds in range(1, cfg.algorithm.max_sample_batches + 1):
         last = generate_scored(c, sampler.next(want), cfg, step, rounds)
         t_gen += last.t_generate
@@ -170,9 +169,8 @@ def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter |
     batch.metrics = {**last.metrics, "dynamic_sampling/rounds": float(rounds),
                      "dynamic_sampling/kept_groups": float(take),
                      "dynamic_sampling/kept_frac_of_generated": n_global / max(seen, 1)}
-    if group_filter is not None:
-        group_filter.end_step(std_sum, std_count)
-        batch.metrics.update(group_filter.metrics(beta))
+    if group_filter is not None:  # the threshold moves for the next step; the metrics hold this one's
+        batch.metrics.update(group_filter.end_step(std_sum, std_count))
     return batch
 
 

@@ -81,8 +81,14 @@ class StdFilter:
                     kept.append(g)
         return kept, total, count
 
-    def end_step(self, std_sum: float, count: int) -> None:
-        """Fold in the step's mean σ (all groups generated in it); a step with none leaves m alone."""
+    def end_step(self, std_sum: float, count: int) -> dict:
+        """Fold in the step's mean σ (all groups generated in it; a step with none leaves m alone) and
+        return the step's metrics, with the threshold it filtered with."""
+        used = self.threshold
+        self._fold(std_sum, count)
+        return self.metrics(used)
+
+    def _fold(self, std_sum: float, count: int) -> None:
         self.steps += 1
         mean = std_sum / count if count > 0 else None
         self.last_mean = mean
