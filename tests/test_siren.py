@@ -266,3 +266,43 @@ def test_top_p_entropy_is_finite_with_masked_out_logits():
     q = torch.softmax(torch.tensor([2.0, 1.0]), -1)
     assert h.item() == pytest.approx(float(-(q * q.log()).sum()), rel=1e-5)
     assert torch.isfinite(z.grad).all() and z.grad[0, 0, 3] == 0
+
+
+def _sorted_nucleus(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by a full sort of every position (the definition, independent of the top-k path)."""
+    p = torch.softmax(z.double(), -1)
+    srt = torch.sort(p, -1, descending=True).values
+    k = ((srt.cumsum(-1) - srt) < top_p).sum(-1, keepdim=True).clamp(min=1)
+    return p >= srt.gather(-1, k - 1)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat rows need the full sort, peaked ones do not
+def test_nucleus_mask_equals_a_full_sort_also_past_the_top_k(monkeypatch, scale):
+    import anabranch.models.chunked_logprobs as cl
+    monkeypatch.setattr(cl, "_NUCLEUS_TOPK", 8)
+    torch.manual_seed(1)
+    z = torch.randn(6, 5, 300, dtype=torch.float64) * scale
+    z[0, 0] = 0.0  # all tied: every token is in the nucleus
+    for top_p in (0.3, 0.9):
+        keep = nucleus_mask(z, top_p)
+        assert torch.equal(keep, _sorted_nucleus(z, top_p))
+        if scale < 1:
+            assert (keep.sum(-1) > 8).all()  # the fall-back sort decided these
+
+
+def test_the_checkpointed_backward_reuses_the_forward_nucleus(monkeypatch):
+    import anabranch.models.chunked_logprobs as cl
+    calls = []
+    real = cl.nucleus_threshold
+    monkeypatch.setattr(cl, "nucleus_threshold", lambda p, top_p: calls.append(p.shape) or real(p, top_p))
+    torch.manual_seed(2)
+    head = torch.nn.Linear(8, 50)
+    h = torch.randn(5, 3, 8, requires_grad=True)
+    ent = cl.chunked_top_p_entropy(h, head, 0.7, chunk_rows=2)
+    assert len(calls) == 3  # one search per chunk in the forward
+    ent.sum().backward()
+    assert len(calls) == 3  # the recomputation reused them
+    h2 = h.detach().clone().requires_grad_(True)
+    ref = top_p_entropy(head(h2), 0.7)
+    ref.sum().backward()
+    assert torch.allclose(ent, ref, atol=1e-6) and torch.allclose(h.grad, h2.grad, atol=1e-6)
