@@ -199,6 +199,11 @@ class RolloutConfig:
     # that has neither a complete tool call nor a final answer (<answer>, \boxed{}, "Answer:") leaves
     # the policy loss; its reward still counts in its group's advantage. Needs rollout.tools.
     void_turn_filter: bool = False
+    # "Try again" (UFO, Liu et al. 2025, arXiv 2507.14295; rollout/retry_turns.py): K >= 2 attempts per
+    # response; a wrong attempt (math-verify against the row's gold answer) gets the user turn "Let's
+    # try again." (not trained on) and the policy answers again, until right or K attempts. 0/1: off.
+    # Use with the retry_turns reward (turn-decayed success, repetition penalty). hf or vllm backend.
+    retry_turns: int = 0
     # Extra rollouts for hard prompts (trainer/extra_rollouts.py): "none", or "dars" (Yang et al. 2025,
     # "Depth-Breadth Synergy in RLVR", arXiv 2508.13755): after a step's first rollout.n samples are
     # scored, each prompt whose accuracy (full-credit fraction) is below dars_threshold gets Δn more
@@ -211,6 +216,19 @@ class RolloutConfig:
     dars_schedule: str = "equal"
     dars_max_extra: int = 24        # the authors' ET cap at N = 8 (32 in all); their HW runs used 40
     dars_threshold: float = 0.5     # a prompt is hard when its accuracy is strictly below this
+    # "cure" (Li et al. 2025, "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse
+    # Prevention", arXiv 2508.11016; trainer/cure_rollouts.py): for the first cure_steps steps each
+    # prompt's group is cure_originals samples plus cure_branches re-generations of each from one of
+    # its cure_top_k highest-entropy tokens (prefix kept, not trained again); then plain sampling.
+    # Needs rollout.n = cure_originals·(1 + cure_branches), backend=hf, no tools.
+    cure_originals: int = 4         # n1: original samples per prompt (the authors' 4)
+    cure_branches: int = 3          # n2: branches per original (the authors' 3; 4·(1+3) = 16 = rollout.n)
+    cure_top_k: int = 20            # the critical token is drawn uniformly from this many top-entropy candidates
+    cure_selection: str = "entropy"  # "entropy", or "random": uniformly among all candidates (their ablation)
+    # A candidate's token, decoded and stripped, has at least this many characters (the authors': 2,
+    # which skips punctuation and single characters of BPE vocabularies; 1 for character tokenizers).
+    cure_min_token_chars: int = 2
+    cure_steps: int = 300           # stage 1's length in training steps (the authors' 300), then plain DAPO
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from anabranch.config_algorithm_options import (DPHConfig, FDPGConfig, FlowRLConfig, GuideConfig, HPTConfig,
-                                                KDRLConfig, RLPlusConfig)
+                                                KDRLConfig, RLPlusConfig, ScaffoldConfig)
 
 
 @dataclass
@@ -202,10 +202,22 @@ class AlgorithmConfig:
     # Guide (algorithms/guide.py): prompts whose samples all fail are sampled again with a hint and trained
     # for the hint-free prompt with an importance ratio toward it (any ratio-based loss; off by default).
     guide: GuideConfig = field(default_factory=GuideConfig)
+    # Hint scaffolding, GHPO (algorithms/scaffold.py): all-fail prompts re-sampled with a growing prefix of their
+    # reference solution and trained in that hinted context, on-policy (any loss; off by default).
+    scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
     rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
     # KDRL (algorithms/kdrl.py): β·KL(π_θ ‖ teacher) on the student's own samples, beside the reference KL;
     # off while kdrl.teacher is empty.
     kdrl: KDRLConfig = field(default_factory=KDRLConfig)
+    # SRPO (Li et al. 2026, algorithms/srpo.py, trainer/srpo_step.py): failed samples leave the GRPO term and are
+    # distilled toward the policy itself conditioned on feedback (a correct sibling, else the reference answer),
+    # srpo_coef β × agg(ω_t · ½(log π_θ − log π_T)²); 0 turns SRPO off. srpo_entropy_weight: ω_t =
+    # exp(−H_teacher) normalized to mean 1 over the batch's distilled tokens (softmax) or 1 (none).
+    # srpo_feedback_template: text between the prompt and the response in the teacher's context; must hold
+    # '{solution}'.
+    srpo_coef: float = 0.0
+    srpo_entropy_weight: str = "softmax"
+    srpo_feedback_template: str = "\n\nA correct solution to this problem:\n{solution}\n\nThe attempt, written knowing it:\n"
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

@@ -1,5 +1,5 @@
 """Option groups of single methods, nested in ``algorithm`` (``algorithm.flowrl.*``, ``algorithm.dph.*``,
-``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.guide.*``, ``algorithm.rl_plus.*``, ``algorithm.kdrl.*``):
+``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.guide.*``, ``algorithm.scaffold.*``, ``algorithm.rl_plus.*``, ``algorithm.kdrl.*``):
 their keys, defaults and why.
 
 Kept apart from config.py, which holds the run's sections; config.py imports them, so
@@ -8,7 +8,7 @@ Kept apart from config.py, which holds the run's sections; config.py imports the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -109,6 +109,23 @@ class GuideConfig:
     hint_template: str = "Hint: the final answer is {answer}."
     # Guided samples per failed prompt, replacing its group; 0: rollout.n.
     num_samples: int = 0
+
+
+@dataclass
+class ScaffoldConfig:
+    """Hint scaffolding, GHPO (``algorithm.scaffold``; Liu, Gong et al. 2025, arXiv 2507.10628;
+    algorithms/scaffold.py): prompts whose n samples all fail are sampled again with the first fraction ω
+    of their reference solution after the question, ω raised stage by stage while they still fail, and the
+    hinted prompt is their training context (on-policy, no ratio correction)."""
+
+    # Turn scaffolding on (any objective; needs a reference solution in every training row,
+    # task.demonstration_column; off: plain RL).
+    enabled: bool = False
+    # The hint ratios ω of the stages, strictly increasing in (0, 1]: a group still all wrong at ω_k is
+    # re-sampled at ω_{k+1} in the same step (GHPO's linear schedule 0.25 -> 0.5 -> 0.75); ω counts words.
+    ratios: list = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    # The hint put after the question, {prefix} replaced by the solution's first ⌈ω·W⌉ words (wording assumed).
+    hint_template: str = "The beginning of a solution, which you may continue from:\n{prefix}"
 
 
 @dataclass

@@ -216,13 +216,13 @@ def validate(cfg: Config) -> None:
          "needs rollout.n >= 2: it keeps groups whose samples disagree, and a group of one never does, so "
          "every round would be dropped"),
         # DARS (trainer/extra_rollouts.py): its knobs' ranges; its refused combinations in check_config
-        (cfg.rollout.extra_rollouts in ("none", "dars"), "rollout.extra_rollouts", "must be none or dars"),
+        (cfg.rollout.extra_rollouts in ("none", "dars", "cure"), "rollout.extra_rollouts", "must be none, dars or cure"),
         (cfg.rollout.dars_schedule in ("equal", "hardness", "fixed"), "rollout.dars_schedule",
          "must be equal, hardness or fixed"),
         (cfg.rollout.dars_max_extra >= 1, "rollout.dars_max_extra", "must be >= 1 (the most extra samples a prompt gets)"),
         (0 < cfg.rollout.dars_threshold <= 1, "rollout.dars_threshold",
          "must be in (0, 1]: prompts whose accuracy is strictly below it get extra samples"),
-        (cfg.rollout.extra_rollouts == "none" or cfg.rollout.n >= 2, "rollout.extra_rollouts",
+        (cfg.rollout.extra_rollouts != "dars" or cfg.rollout.n >= 2, "rollout.extra_rollouts",
          "=dars needs rollout.n >= 2: the first samples estimate each prompt's accuracy"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
         (cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0"),
@@ -272,6 +272,7 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1"),
         (cfg.rollout.tool_output_max_tokens >= 1, "rollout.tool_output_max_tokens", "must be >= 1"),
         (cfg.rollout.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0"),
+        (cfg.rollout.retry_turns >= 0, "rollout.retry_turns", "must be >= 0 (0 or 1: one attempt; K >= 2 attempts)"),
         (not cfg.rollout.void_turn_filter or bool(cfg.rollout.tools), "rollout.void_turn_filter",
          "needs rollout.tools: a void turn is a turn between tool results with neither a tool call nor a "
          "final answer, and a single-turn response has no tool calls to filter on; set rollout.tools or "
@@ -324,10 +325,18 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.pacs import check_pacs_rewards
 
         check_pacs_rewards(cfg)
+    if cfg.rollout.retry_turns >= 2:  # UFO's retry turns: tools, min_new_tokens, tasks without a math check
+        from anabranch.rollout.retry_turns import check_config as check_retry_turns
+
+        check_retry_turns(cfg)
     if cfg.rollout.extra_rollouts == "dars":  # refused combinations (prompt pairing, group-level rewards)
         from anabranch.trainer.extra_rollouts import check_config as check_extra_rollouts
 
         check_extra_rollouts(cfg)
+    if cfg.rollout.extra_rollouts == "cure":  # CURE's key ranges, rollout.n, backend and tools (trainer/cure_rollouts.py)
+        from anabranch.trainer.cure_rollouts import check_config as check_cure
+
+        check_cure(cfg)
     if cfg.algorithm.guide.enabled:  # Guide (algorithms/guide.py): backend, tools and pairing it cannot take
         from anabranch.algorithms.guide import check_run as check_guide_run
 
@@ -372,6 +381,8 @@ _GATED = [
      "algorithm.siren_coef > 0 and algorithm.siren_anchor=ema"),
     ("rollout", ("dars_schedule", "dars_max_extra", "dars_threshold"), lambda c: c.rollout.extra_rollouts == "dars",
      "rollout.extra_rollouts=dars"),
+    ("rollout", ("cure_originals", "cure_branches", "cure_top_k", "cure_selection", "cure_min_token_chars", "cure_steps"),
+     lambda c: c.rollout.extra_rollouts == "cure", "rollout.extra_rollouts=cure"),
     ("algorithm", ("mssr_rho", "mssr_prior"), lambda c: c.algorithm.advantage == "mssr",
      "algorithm.advantage=mssr (algorithm.name=mssr)"),
     # Low-likelihood curation (trainer/curation.py): its pre-pass knobs act only when it is on.

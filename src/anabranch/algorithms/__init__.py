@@ -10,6 +10,7 @@ from anabranch.algorithms import fdpg  # noqa: F401
 from anabranch.algorithms import rover  # noqa: F401
 from anabranch.algorithms import canon, etr, pacs, weighted_grpo  # noqa: F401
 from anabranch.algorithms import mssr, ppl_position  # noqa: F401  (MSSR; PPL/position shaping)
+from anabranch.algorithms import srpo  # noqa: F401  (SRPO recipe: GRPO + self-distillation of failed rows)
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.resolve import Algorithm, resolve_algorithm
 

@@ -125,7 +125,9 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
                      # teacher KL (algorithms/kdrl.py) has a gradient on rows whose advantage is 0.
                      # SIREN's entropy term (algorithms/siren.py) too, and its per-micro-batch mean.
                      inert_at_zero_advantage=bool(obj_meta.get("inert_at_zero_advantage")) and cfg.lp_reg_coef == 0
-                     and not kdrl_on(cfg) and cfg.siren_coef == 0)
+                     and not kdrl_on(cfg) and cfg.siren_coef == 0
+                     # SRPO's distillation (algorithms/srpo.py) trains the failed rows, whose advantage it zeroes.
+                     and cfg.srpo_coef == 0)
 
 
 def check_ranges(cfg: AlgorithmConfig) -> None:
@@ -275,6 +277,14 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
 
+    # Hint scaffolding, GHPO (algorithms/scaffold.py): its keys (refused while it is off) and the options
+    # that would hide or double its all-fail groups.
+    from anabranch.algorithms.scaffold import check_scaffold
+
+    error = check_scaffold(cfg)
+    if error:
+        raise ConfigError(error)
+
     # RL-PLUS's external term (algorithms/rl_plus.py): needs a policy-gradient advantage, not with HPT.
     from anabranch.algorithms.rl_plus import check_rl_plus
 
@@ -289,6 +299,18 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.rl_plus.enabled: RL-PLUS adds a policy-gradient term r_t·Â·C_t beside a loss "
                           f"linear in the advantage (PPO, GRPO, CISPO, ...), not loss={cfg.loss!r}, which reads the "
                           f"reward back from its advantages; set algorithm.rl_plus.enabled=false or another loss")
+    # SRPO's routing and self-distillation (algorithms/srpo.py): it zeroes the failed rows' advantages, which only
+    # takes them out of a loss linear in the advantage.
+    from anabranch.algorithms.srpo import check_srpo
+
+    error = check_srpo(cfg)
+    if error:
+        raise ConfigError(error)
+    if cfg.srpo_coef > 0 and OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
+        raise ConfigError(f"algorithm.srpo_coef > 0 with loss={cfg.loss!r}: SRPO routes failed samples out of the "
+                          "policy-gradient term by zeroing their advantage, which a loss that reads the reward back "
+                          "from its advantages would take as a target; use a policy-gradient loss (e.g. "
+                          "algorithm.name=grpo) or set algorithm.srpo_coef=0")
     # KDRL's teacher KL (algorithms/kdrl.py); the teacher's path and vocabulary are checked when it loads.
     from anabranch.algorithms.kdrl import check_kdrl
 

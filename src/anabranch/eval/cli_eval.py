@@ -34,6 +34,18 @@ def _add_sampling(p) -> None:
     p.add_argument("--gain-k", type=int, default=0,
                    help="the k of the gain decomposition (pass@k->pass@1 compression vs capability gain) and of "
                         "the interference of each later model against the first (default 0: the largest --k)")
+    p.add_argument("--bon-frontier", action="store_true",
+                   help="did RL beat best-of-n at the same KL? the first model's best-of-n and optimal tilted "
+                        "reward-vs-KL curves and each later model's reward and KL to it (one forward pass of "
+                        "each model over the later model's samples; bon_frontier.png)")
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--contamination expects fractions separated by commas, got {text!r}") from None
 
 
 def add_subcommands(sub) -> None:
@@ -44,6 +56,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config for the task (default: the first run's config)")
     p.add_argument("--out", "-o", default=None, help="output folder (default eval-<time>)")
     _add_sampling(p)
+    p.add_argument("--contamination", type=_ratios, default=[], metavar="FRACTIONS",
+                   help="partial-prompt leakage audit (Wu et al. 2025): cut each held-out problem to these "
+                        "fractions of its words, e.g. 0.4,0.6,0.8, continue greedily, report completion exact "
+                        "match, ROUGE-L and answer accuracy (default: off)")
 
     p = sub.add_parser("compare", help="train the same job with several algorithms and write one report")
     p.add_argument("--algorithms", "-a", required=True, help="comma-separated recipe names, e.g. grpo,flowrl,dapo")
@@ -75,7 +91,9 @@ def settings_from(args, n: int | None = None):
     return EvalSettings(n=n or args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed, greedy=not args.no_greedy,
                         embeddings=not args.no_embeddings, effective_rank=not args.no_effective_rank,
-                        sparse_tokens=args.sparse_tokens, gain_k=args.gain_k)
+                        sparse_tokens=args.sparse_tokens, gain_k=args.gain_k,
+                        contamination=getattr(args, "contamination", []),
+                        bon_frontier=args.bon_frontier)
 
 
 def run(args) -> int:

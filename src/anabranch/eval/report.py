@@ -330,6 +330,8 @@ figcaption{font-size:12px;color:#555;max-width:500px}img{max-width:520px}"""
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anabranch report") -> Path:
+    from anabranch.eval.contamination import report_table as contamination_table
+
     if not run_dirs:
         raise ValueError("name at least one run directory")
     runs = [read_run(d) for d in run_dirs]
@@ -341,6 +343,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; name the HTML file to write, e.g. {out / 'report.html'}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    from anabranch.eval import bon_frontier  # its table (Yang et al. 2024)
+
     with tempfile.TemporaryDirectory() as tmp:
         figs = make_plots(runs, Path(tmp))
         body = "\n".join(
@@ -350,7 +354,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>Runs: {', '.join(html.escape(r['path']) for r in runs)}</p>"
             f"<h2>Summary</h2>{summary_table(runs)}{diversity_table(runs)}{support_table(runs)}"
-            f"{sparse_selection_table(runs)}{gain_interference_tables(runs)}"
+            f"{sparse_selection_table(runs)}{gain_interference_tables(runs)}{bon_frontier.report_table(runs)}"
+            f"{contamination_table(runs)}"
             f"<h2>Plots</h2><div class='grid'>{body}</div></body></html>")
     out.write_text(page, encoding="utf-8")
     return out

@@ -46,6 +46,14 @@ class EvalSettings:
     # Gain decomposition (Nath et al. 2025) and interference (Nguyen et al. 2025) of each trained
     # model against the first: the k of their pass@k; 0: the largest k evaluated (--k, else n).
     gain_k: int = 0
+    # Partial-prompt leakage audit (Wu et al. 2025, eval/contamination.py): the kept fractions of each
+    # held-out problem's words, each in (0, 1), e.g. [0.4, 0.6, 0.8]; one greedy pass per fraction.
+    # Empty (the default): no audit, no extra generation.
+    contamination: list = field(default_factory=list)
+    # Best-of-n frontier (Yang et al. 2024, eval/bon_frontier.py): the first model's best-of-n and
+    # tilted reward-vs-KL curves, and each later model's reward and KL to it (one forward pass of
+    # each model over its samples, the base loaded beside it). Off: no extra pass.
+    bon_frontier: bool = False
 
     def check(self) -> None:
         """Cheap range checks, run before any model is loaded (a bad --n or --k used to surface
@@ -71,6 +79,10 @@ class EvalSettings:
         if self.sparse_tokens < 0:
             raise ConfigError(f"--sparse-tokens must be >= 0 (response positions compared against the base "
                               f"model; 0: skip the sparse-selection analysis), got {self.sparse_tokens}")
+        if self.contamination:
+            from anabranch.eval.contamination import check_ratios
+
+            check_ratios(self.contamination)
 
 
 @dataclass
@@ -159,7 +171,8 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
     tool_calls = 0.0  # with rollout.tools: calls summed over the samples
     ranks: list[float] = []  # effective rank per sample, in the order of ro.completions
     sparse = base is not None and settings.sparse_tokens > 0
-    sampled: list = []  # with sparse: the sampled ids, kept for the comparison with the base model
+    bon = base is not None and settings.bon_frontier  # the KL to the base needs the sampled ids too
+    sampled: list = []  # with sparse/bon: the sampled ids, kept for the comparison with the base model
     for start in range(0, len(prompts), settings.batch_prompts):
         batch = prompts[start:start + settings.batch_prompts]
         ro = backend.generate(batch, settings.n, max_new_tokens=max_new)
@@ -168,7 +181,7 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
             from anabranch.eval.effective_rank import response_effective_ranks
 
             ranks += response_effective_ranks(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-        if sparse:
+        if sparse or bon:
             from anabranch.eval.sparse_selection import sequences_of
 
             sampled += sequences_of(ro, start)
@@ -191,6 +204,11 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
     if settings.greedy:
         entry["greedy_accuracy"] = greedy_accuracy(backend, prompts, rows, [source], max_new,
                                                    threshold=settings.correct_threshold)["accuracy"]
+    if settings.contamination:  # Wu et al. 2025: continue each cut problem greedily (eval/contamination.py)
+        from anabranch.eval.contamination import backend_audit
+
+        entry["contamination"] = backend_audit(backend, tokenizer, rows, settings.contamination, source, max_new,
+                                               settings.correct_threshold, settings.batch_prompts)
     div, high = diversity_of(completions, answers, correct, settings)
     if settings.effective_rank:  # Huang et al. 2025: exploration in hidden-state space
         from anabranch.eval.effective_rank import mean_effective_rank
@@ -202,8 +220,9 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
     entry["problems"] = [
         {"question": str(r["question"]), "answer": str(r["answer"]), "correct": sum(c),
          "distinct_answers": diversity.distinct_answers(a), "answer_entropy": support.answer_entropy(a),
-         "samples": [{"completion": t, "answer": ans, "correct": ok} for t, ans, ok in zip(g, a, c)]}
-        for r, g, a, c in zip(rows, completions, answers, correct)]
+         "samples": [{"completion": t, "answer": ans, "correct": ok, "reward": v}
+                     for t, ans, ok, v in zip(g, a, c, values[i * settings.n:(i + 1) * settings.n])]}
+        for i, (r, g, a, c) in enumerate(zip(rows, completions, answers, correct))]
     del backend  # sampling is done: its engine (vLLM's reserved memory) goes before a second model loads
     if sparse:  # while the trained model is loaded: the base is loaded next to it
         import gc
@@ -220,6 +239,18 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
             entry["sparse_selection"] = {"base": base.label, "max_tokens": settings.sparse_tokens,
                                          "error": f"out of memory with the base model loaded beside it ({err}); "
                                                   "rerun with --sparse-tokens 0 to skip"}
+    if bon:  # KL(trained ‖ base) on the trained model's samples (eval/bon_frontier.py)
+        import gc
+
+        from anabranch.eval.bon_frontier import kl_to_base
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            entry["kl_to_base"] = kl_to_base(cfg, base, model, tokenizer, sampled, settings.temperature, device)
+        except torch.OutOfMemoryError as err:  # the entry's other results are kept
+            entry["kl_to_base"] = {"error": f"out of memory with the base model loaded beside it ({err})"}
     del model
     return entry, high
 
@@ -283,6 +314,9 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
             s.label = f"{s.label}#{i + 1}"
     cfg = base_config(specs, config_file, overrides)
     check_model_path(cfg.model.tokenizer, "model.tokenizer")  # every model is loaded with it
+    if settings.contamination and cfg.rollout.tools:  # a cut problem is plain text to continue, not a tool turn
+        raise ConfigError("--contamination continues truncated problem text without tools; unset rollout.tools "
+                          "for the audit")
     out = Path(out_dir)  # created once there is something to write: a failed load leaves no empty folder
     entries, highs = [], {}
     for i, spec in enumerate(specs):
@@ -296,6 +330,10 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
                 gain_decomposition.gain_decomposition, entries[0], entry, gain_k)
             entry["interference"] = gain_decomposition.against_base(interference.interference, entries[0], entry,
                                                                     gain_k)
+            if settings.bon_frontier:
+                from anabranch.eval import bon_frontier
+
+                entry["bon_frontier"] = bon_frontier.against_base(entries[0], entry)
         entries.append(entry)
         highs[spec.label] = high
         print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())
@@ -305,6 +343,12 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         if "gain_decomposition" in entry:
             print(gain_decomposition.summary_line(spec.label, entry["gain_decomposition"]))
             print(interference.summary_line(spec.label, entry["interference"]))
+        if "bon_frontier" in entry:
+            print(bon_frontier.summary_line(spec.label, entry["bon_frontier"]))
+        if "contamination" in entry:
+            from anabranch.eval.contamination import summary_line as leak_line
+
+            print(leak_line(spec.label, entry["contamination"]))
         if "sparse_selection" in entry:
             from anabranch.eval.sparse_selection import summary_line
 
@@ -322,6 +366,10 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
     out.mkdir(parents=True, exist_ok=True)
     plots.plot_passk({e["label"]: e["pass@k"] for e in entries}, out / "passk.png")
     result["map"] = plots.plot_high_reward_map(highs, out / "map.png", settings.map_problems)
+    if settings.bon_frontier:  # reward vs KL: the base's curves and each later model's point
+        from anabranch.eval import bon_frontier
+
+        bon_frontier.plot_entries(entries, out / "bon_frontier.png")
     if result["map"] is None:
         print("no map of high-reward completions: no problem had 3 or more (or embeddings were off)")
     _write(out / "passk.json", result)

@@ -49,7 +49,12 @@ def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int
     as the ``train_step``/``sample_round`` fields (the random reward keys its draws on them).
     ``n``: samples per prompt (default ``rollout.n``; DARS's extra samples use 1 per repeated prompt)."""
     t0 = time.perf_counter()
-    rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n if n is None else n)
+    if n is None and cfg.rollout.extra_rollouts == "cure":  # CURE's stage 1: originals + critical-token branches
+        from anabranch.trainer.cure_rollouts import cure_or_plain
+
+        rollout = cure_or_plain(c, [c.train_prompts[i] for i in idx], cfg, step)
+    else:
+        rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n if n is None else n)
     t_gen = time.perf_counter() - t0
     groups = rollout.group_index.tolist()
     rows = [c.train_rows[idx[g]] for g in groups]
@@ -79,7 +84,7 @@ def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int 
     (the DARS authors' code judges the enlarged groups). Then the stateful rewards' observations of the
     round are committed (gathered from every rank under ``dist``): every rank runs the same rounds."""
     batch = generate_scored(c, idx, cfg, step, round_)
-    if cfg.rollout.extra_rollouts != "none":
+    if cfg.rollout.extra_rollouts == "dars":
         from anabranch.trainer.extra_rollouts import top_up  # lazy: that module builds on this one
 
         batch = top_up(c, batch, idx, cfg, step, round_, dist)
@@ -144,7 +149,7 @@ def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = N
                      "dynamic_sampling/kept_frac_of_generated": n_kept / max(seen, 1)}
     if group_filter is not None:  # the threshold moves for the next step; the metrics hold this one's
         batch.metrics.update(group_filter.end_step(std_sum, std_count))
-    if cfg.rollout.extra_rollouts != "none":  # DARS's counts over all rounds, not the last one's
+    if cfg.rollout.extra_rollouts == "dars":  # DARS's counts over all rounds, not the last one's
         from anabranch.trainer.extra_rollouts import sum_round_metrics
 
         batch.metrics.update(sum_round_metrics(round_metrics))
@@ -194,7 +199,7 @@ def collect_dynamic_distributed(c, sampler, cfg, dist, group_filter: StdFilter |
                      "dynamic_sampling/kept_frac_of_generated": n_global / max(seen, 1)}
     if group_filter is not None:  # the threshold moves for the next step; the metrics hold this one's
         batch.metrics.update(group_filter.end_step(std_sum, std_count))
-    if cfg.rollout.extra_rollouts != "none":  # DARS's counts over all rounds, not the last one's
+    if cfg.rollout.extra_rollouts == "dars":  # DARS's counts over all rounds, not the last one's
         from anabranch.trainer.extra_rollouts import sum_round_metrics
 
         batch.metrics.update(sum_round_metrics(round_metrics))

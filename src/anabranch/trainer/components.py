@@ -25,6 +25,7 @@ from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rewards.compose import check_row_fields
 from anabranch.rollout import ROLLOUT_BACKENDS
 from anabranch.rollout.multi_turn import prompt_task, with_tools
+from anabranch.rollout.retry_turns import with_retry_turns
 from anabranch.rollout.tools import build_tools
 from anabranch.trainer.host_memory import keep_freed_host_memory
 from anabranch.trainer.kdrl_step import check_teacher_path, load_teacher
@@ -115,6 +116,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
     backend = with_tools(backend, tokenizer, cfg.rollout)  # multi-turn rollouts when rollout.tools is set
+    backend = with_retry_turns(backend, tokenizer, cfg, train_rows, train_prompts)  # rollout.retry_turns (UFO)
     warn_per_micro_batch_selection(cfg, algo, model, device, longest_prompt)
     warn_unused_tis(cfg)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}

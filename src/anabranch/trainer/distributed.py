@@ -153,6 +153,10 @@ class Distributed:
             raise ConfigError("rollout.extra_rollouts=dars is not supported with a sharded policy (FSDP / ZeRO-3): ranks "
                               "generate different numbers of extra samples, and sharded generation must run in "
                               "lockstep; use plain data parallelism or set rollout.extra_rollouts=none")
+        if c.cfg.rollout.extra_rollouts == "cure":
+            raise ConfigError("rollout.extra_rollouts=cure is not supported with a sharded policy (FSDP / ZeRO-3): its "
+                              "entropy forward and branch sampling on the unwrapped policy are not checked on sharded "
+                              "weights; use plain data parallelism (DDP) or set rollout.extra_rollouts=none")
         from anabranch.models.lora import is_peft
 
         if is_peft(c.model):

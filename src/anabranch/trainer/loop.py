@@ -12,6 +12,7 @@ import torch
 from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.dsdr import apply_dsdr, with_dsdr
 from anabranch.algorithms.overlong import filter_overlong
+from anabranch.algorithms.scaffold import check_run as check_scaffold_run
 from anabranch.config import Config
 from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
@@ -34,8 +35,10 @@ from anabranch.trainer.curation import Curation
 from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.guide_step import Guide
+from anabranch.trainer.scaffold_step import Scaffold
 from anabranch.trainer.rl_plus_step import RLPlus
 from anabranch.trainer.kdrl_step import KDRL
+from anabranch.trainer.srpo_step import SRPO
 from anabranch.trainer.ref_reset import RefReset, check_ref_reset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
@@ -66,6 +69,7 @@ def train(cfg: Config) -> TrainResult:
 def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
+    check_scaffold_run(cfg)  # GHPO scaffolding's backend/tools/pairing: refused before any model loads
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -87,8 +91,10 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         sampler = rehearsal.wrap_sampler(sampler)
     hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
     guide = Guide.create(cfg, dist, c)  # Guide (trainer/guide_step.py): None unless algorithm.guide.enabled
+    scaffold = Scaffold.create(cfg, dist, c)  # GHPO (trainer/scaffold_step.py): None unless algorithm.scaffold.enabled
     rl_plus = RLPlus.create(cfg, dist, c)  # RL-PLUS (trainer/rl_plus_step.py): None unless algorithm.rl_plus.enabled
     kdrl = KDRL.create(cfg, dist, c)  # KDRL (trainer/kdrl_step.py): None unless algorithm.kdrl.teacher
+    srpo = SRPO.create(cfg, dist, c)  # SRPO (trainer/srpo_step.py): None unless algorithm.srpo_coef > 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -167,6 +173,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # Guide: all-fail groups sampled again with a hint, in place, trained for the hint-free prompt
             guide_step = None if guide is None else guide.step(c, batch, step)
             batch = batch if guide_step is None else guide_step.batch
+            # Hint scaffolding (GHPO): all-fail groups sampled again with a growing solution prefix, trained in it
+            batch = batch if scaffold is None else scaffold.step(c, batch, step)
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
@@ -192,11 +200,15 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             rlp_step = None if rl_plus is None else rl_plus.step(batch, train_rollout, c.model)
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
             kd_step = None if kdrl is None else kdrl.step(step, batch, rollout, c.rewards, micro_tokens)
+            # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term
+            sr_step = None if srpo is None else srpo.step(c.model, batch, rollout, c.rewards, micro_tokens)
             precomputed = with_dsdr(adv.precomputed, dsdr_weight)
             precomputed = precomputed if kd_step is None else kd_step.precomputed(precomputed)
+            precomputed = precomputed if sr_step is None else sr_step.precomputed(precomputed)
             precomputed = precomputed if guide_step is None else guide_step.precomputed(precomputed)
             metrics = policy_update(
-                dist.policy(c.model), c.optimizer, train_rollout, adv.advantages, rewards, c.algo,
+                dist.policy(c.model), c.optimizer, train_rollout,
+                adv.advantages if sr_step is None else sr_step.advantages(adv.advantages), rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
                 ref_model=c.ref_model, modules=c.modules, kl_coef=adv.kl_coef,
@@ -224,7 +236,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         c.backend.sync_weights(c.model)
         metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
                         **({} if rlp_step is None else rlp_step.metrics),
-                        **({} if kd_step is None else kd_step.metrics)})
+                        **({} if kd_step is None else kd_step.metrics),
+                        **({} if sr_step is None else sr_step.metrics)})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)

@@ -21,6 +21,7 @@ from anabranch.algorithms.aggregation import aggregate, batch_scale, masked_mean
 from anabranch.algorithms.diagnostics import finish_diagnostics, update_diagnostics
 from anabranch.algorithms.dsdr import dsdr_local_loss
 from anabranch.algorithms.kdrl import kd_loss
+from anabranch.algorithms.srpo import distill_loss
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.lp_reg import lp_reg_loss
 from anabranch.algorithms.rover import response_vocab_mean
@@ -151,6 +152,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     guide_lp, guide_rows = pre.get("guide_behaviour_log_prob"), pre.get("guide_rows")
     if kd_lp is not None:
         kd_lp, kd_w = kd_lp.to(device), kd_w.to(device)
+    # SRPO (algorithms/srpo.py, trainer/srpo_step.py): the self-teacher's log-probs and each token's β·ω (failed rows).
+    sr_lp, sr_w = pre.get("srpo_teacher_log_prob"), pre.get("srpo_weight")
+    if sr_lp is not None:
+        sr_lp, sr_w = sr_lp.to(device), sr_w.to(device)
     entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs or dsdr_w is not None
     lp_reg = (cfg.lp_reg_kappa, cfg.lp_reg_tau) if cfg.lp_reg_coef > 0 else None  # Lp-Reg's proxy, only when on
     # ER/ERV/ERA shaping (algorithms/er_shaping.py): each row's bonus from its first forward of this update.
@@ -229,6 +234,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     kd, kd_metrics = kd_loss(fo.log_probs, kd_lp[sl], m, kd_w[sl], cfg.kdrl.estimator, agg)
                     loss = loss + kd
                     metrics.update(kd_metrics)
+                if sr_lp is not None:  # SRPO: failed rows distilled toward the feedback-conditioned self-teacher
+                    sd, sd_metrics = distill_loss(fo.log_probs, sr_lp[sl], m, sr_w[sl], agg)
+                    loss = loss + sd
+                    metrics.update(sd_metrics)
                 if lp_reg is not None:  # Lp-Reg (algorithms/lp_reg.py): protect the low-probability sparks
                     lp_loss, lp_metrics = lp_reg_loss(fo.log_probs, fo.proxy_log_prob, adv, m, cfg, agg)
                     loss = loss + lp_loss

@@ -1,0 +1,208 @@
+"""Multi-attempt rollouts with unary feedback (``rollout.retry_turns=K``): "Let's try again."
+
+Liu, Wang, Li, Xu, Lu, Liu, Sil, Li 2025, "A Simple "Try Again" Can Elicit Multi-Turn LLM Reasoning"
+(arXiv 2507.14295): UFO, Unary Feedback as Observation. A static single-turn dataset becomes a
+multi-turn episode: the policy answers; a wrong answer gets only a negative user message (no hint,
+no reference answer) and the policy answers again, seeing all its earlier attempts, until it is right
+or has made K attempts. The paper trains with at most 5 turns (their environment's ``max_steps``).
+
+With ``rollout.retry_turns=K`` (K >= 2) every backend with ``continue_ids`` (hf, vllm) is wrapped in
+:class:`RetryTurnsBackend`. One response is the whole episode, in one sequence:
+
+    attempt_1 EOS · feedback · attempt_2 EOS · feedback · ... · attempt_k EOS
+
+``feedback`` is the chat template's text between the end of an assistant message and the start of
+the next one around a user message :data:`FEEDBACK` (ChatML: ``\\n<|im_start|>user\\nLet's try
+again.<|im_end|>\\n<|im_start|>assistant\\n``, its leading end-of-turn token dropped because the
+policy wrote it as its EOS). Without a chat template (``task.chat_template=false`` or none in the
+tokenizer) it is ``"\\n\\n" + FEEDBACK + "\\n\\n"``. As tool outputs are
+(:mod:`anabranch.rollout.multi_turn`), the feedback tokens are context, not actions:
+``response_mask`` 1, ``loss_mask`` 0. Each attempt's own EOS is trained (the policy learns to end an
+attempt); the response is "truncated" when its last attempt has no EOS.
+
+Each attempt is graded inside the rollout against the prompt's gold answer (the ``answer`` of the
+task row that produced the prompt) with the check the ``math_verify`` reward uses
+(:func:`anabranch.rewards.math_answer.is_equivalent`). Prompts with no known answer (evaluation
+prompts) and greedy calls (evaluation) get one attempt, so held-out accuracy stays single-turn and
+comparable with runs without retries. The reward of the episode is :mod:`anabranch.rewards.retry_reward`.
+
+Assumed (not stated in what we could read): the feedback text is fixed ("Let's try again." from the
+paper's abstract; the authors' code samples from a pool of wordings such as "Incorrect. Please think
+again."); feedback that does not fit in ``rollout.max_new_tokens`` ends the episode.
+
+Metrics: ``retry/attempts_mean`` (attempts per response), ``retry/success_at_k`` for k = 1..K (the
+fraction of responses solved within k attempts), ``retry/feedback_token_frac``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from anabranch.config import ConfigError, RolloutConfig
+from anabranch.rollout.base import Rollout, left_padded
+
+FEEDBACK = "Let's try again."
+_MARK = "\x1fATTEMPT\x1f"  # stands for the assistant's message when the template is rendered
+
+
+def feedback_ids(tokenizer, use_template: bool, text: str = FEEDBACK) -> list[int]:
+    """The tokens between an assistant message's content and the next assistant message's content,
+    around a user message ``text``: the chat template's own rendering, so any model's roles work."""
+    if use_template and getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": _MARK},
+                {"role": "user", "content": text}]
+        full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if _MARK not in full:
+            raise ConfigError("rollout.retry_turns: the tokenizer's chat template drops the assistant's message; "
+                              "set task.chat_template=false")
+        suffix = full[full.index(_MARK) + len(_MARK):]
+    else:
+        suffix = f"\n\n{text}\n\n"
+    return list(tokenizer(suffix, add_special_tokens=False)["input_ids"])
+
+
+class RetryTurnsBackend:
+    """Up to ``rollout.retry_turns`` attempts per response over a backend that offers ``continue_ids``."""
+
+    def __init__(self, backend, tokenizer, cfg: RolloutConfig, answers: dict, use_template: bool = True,
+                 check: Optional[Callable[[str, str], bool]] = None):
+        if not hasattr(backend, "continue_ids"):
+            raise ConfigError(f"rollout.retry_turns: the {type(backend).__name__} backend cannot continue a "
+                              "response after feedback (no continue_ids)")
+        if check is None:
+            from anabranch.rewards.math_answer import is_equivalent as check
+        self.__dict__["inner"] = backend  # set directly: __setattr__ forwards to the inner backend
+        self.__dict__.update(tokenizer=tokenizer, cfg=cfg, answers=dict(answers), check=check,
+                             eos_ids=list(backend.eos_ids), feedback=feedback_ids(tokenizer, use_template))
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name, value):
+        if name == "synced_gpus" and value:
+            raise ConfigError("rollout.retry_turns does not combine with sharded training (FSDP / ZeRO-3): "
+                              "responses end at different attempts, so the processes would run different numbers "
+                              "of generate calls while their forward passes must stay in step")
+        setattr(self.inner, name, value)
+
+    def sync_weights(self, model) -> None:
+        self.inner.sync_weights(model)
+
+    def _feedback_after(self, eos: int) -> list[int]:
+        # The template's end-of-turn token is the EOS the policy just wrote: not written twice.
+        fb = self.feedback
+        return fb[1:] if fb and fb[0] == eos else list(fb)
+
+    def generate(self, prompts: list[str], n: int, greedy: bool = False,
+                 max_new_tokens: int | None = None, seed: int | None = None) -> Rollout:
+        if greedy or not any(p in self.answers for p in prompts):  # evaluation: one attempt
+            return self.inner.generate(prompts, n, greedy=greedy, max_new_tokens=max_new_tokens, seed=seed)
+        tok, k_max = self.tokenizer, self.cfg.retry_turns
+        budget = max_new_tokens or self.cfg.max_new_tokens
+        enc = tok(list(prompts), add_special_tokens=False)["input_ids"]
+        rows = len(prompts) * n
+        starts = [list(enc[g]) for g in range(len(prompts)) for _ in range(n)]
+        gold = [self.answers.get(prompts[g]) for g in range(len(prompts)) for _ in range(n)]
+        resp: list[list[int]] = [[] for _ in range(rows)]
+        trained: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        attempts, solved_at, ended_eos = [0] * rows, [0] * rows, [False] * rows
+        active, has_logps, turn = list(range(rows)), True, 0
+        while active:
+            got = self.inner.continue_ids([starts[i] + resp[i] for i in active],
+                                          [budget - len(resp[i]) for i in active], [], greedy=greedy,
+                                          seed=None if seed is None else seed + 1_000_003 * turn)
+            still = []
+            for i, (ids, lps) in zip(active, got):
+                ids = list(ids)
+                eos = next((j for j, t in enumerate(ids) if t in self.eos_ids), None)
+                ids = ids if eos is None else ids[:eos + 1]  # a backend may pad past EOS
+                text = tok.decode(ids, skip_special_tokens=True)
+                resp[i] += ids
+                trained[i] += [1] * len(ids)
+                has_logps = has_logps and lps is not None
+                logps[i] += list(lps[:len(ids)]) if lps is not None else [0.0] * len(ids)
+                attempts[i] += 1
+                ended_eos[i] = eos is not None
+                if gold[i] is not None and self.check(text, str(gold[i])):
+                    solved_at[i] = attempts[i]
+                    continue
+                if eos is None or gold[i] is None or attempts[i] >= k_max:
+                    continue
+                fb = self._feedback_after(ids[-1])
+                if len(resp[i]) + len(fb) >= budget:  # no room for the feedback and one token more
+                    continue
+                resp[i] += fb
+                trained[i] += [0] * len(fb)
+                logps[i] += [0.0] * len(fb)
+                still.append(i)
+            active = still
+            turn += 1
+        return self._rollout(prompts, enc, n, resp, trained, logps if has_logps else None, ended_eos,
+                             attempts, solved_at)
+
+    def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, attempts, solved_at) -> Rollout:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+        prompt_ids, prompt_mask = left_padded(enc, pad)
+        rows, width = len(resp), max(1, max(len(r) for r in resp))
+        response_ids = torch.full((rows, width), pad, dtype=torch.long)
+        response_mask = torch.zeros((rows, width), dtype=torch.long)
+        loss_mask = torch.zeros((rows, width), dtype=torch.long)
+        sample_lp = torch.zeros(rows, width) if logps is not None else None
+        for i, r in enumerate(resp):
+            response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[i, :len(r)] = 1
+            loss_mask[i, :len(r)] = torch.tensor(trained[i], dtype=torch.long)
+            if sample_lp is not None:
+                sample_lp[i, :len(r)] = torch.tensor(logps[i])
+        fb_tokens = sum(len(t) - sum(t) for t in trained)
+        metrics = {"retry/attempts_mean": sum(attempts) / rows,
+                   "retry/feedback_token_frac": fb_tokens / max(sum(len(r) for r in resp), 1),
+                   **{f"retry/success_at_{k}": sum(0 < s <= k for s in solved_at) / rows
+                      for k in range(1, self.cfg.retry_turns + 1)}}
+        return Rollout(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+            response_ids=response_ids, response_mask=response_mask,
+            group_index=torch.arange(len(prompts)).repeat_interleave(n), prompts=list(prompts),
+            completions=[tok.decode(r, skip_special_tokens=True) for r in resp],
+            truncated=torch.tensor([not e for e in ended_eos]), sample_log_probs=sample_lp,
+            loss_mask=loss_mask, metrics=metrics,
+        )
+
+
+def check_config(cfg) -> None:
+    """Combinations ``rollout.retry_turns`` cannot take, refused when the config is loaded."""
+    r = cfg.rollout
+    if r.tools:
+        raise ConfigError("rollout.retry_turns does not combine with rollout.tools: both insert non-policy turns "
+                          "into the response; set rollout.tools=[] or rollout.retry_turns=0")
+    if getattr(r, "extra_rollouts", "none") == "cure":
+        raise ConfigError("rollout.retry_turns does not combine with rollout.extra_rollouts=cure: CURE's branches "
+                          "re-generate single-turn responses from a token inside them")
+    if r.min_new_tokens:
+        raise ConfigError("rollout.min_new_tokens must be 0 with rollout.retry_turns: an attempt must be able to "
+                          "end early for the feedback to follow")
+    if r.temperature == 0:
+        raise ConfigError("rollout.temperature must be > 0 with rollout.retry_turns: greedy calls are evaluation "
+                          "and get one attempt")
+    names = {f.name if hasattr(f, "name") else f.get("name") for f in cfg.reward.functions}
+    if not names & {"retry_turns", "math_verify"}:
+        raise ConfigError("rollout.retry_turns grades each attempt against the task's gold answer with math-verify: "
+                          "reward.functions needs retry_turns or math_verify (a task without gold answers, or one "
+                          "checked otherwise, cannot be retried)")
+
+
+def with_retry_turns(backend, tokenizer, cfg, rows: list, prompts: list[str]):
+    """``backend`` wrapped for ``rollout.retry_turns`` (unchanged when it is 0 or 1). ``rows`` and
+    ``prompts``: the training rows and their prompts, whose gold answers grade the attempts."""
+    if cfg.rollout.retry_turns < 2:
+        return backend
+    missing = sum(1 for r in rows if r.get("answer") in (None, ""))
+    if missing:
+        raise ConfigError(f"rollout.retry_turns needs a gold answer in every training row (task.answer_column="
+                          f"{cfg.task.answer_column!r}); {missing} of {len(rows)} rows have none")
+    answers = {p: str(r["answer"]) for p, r in zip(prompts, rows)}
+    return RetryTurnsBackend(backend, tokenizer, cfg.rollout, answers, use_template=cfg.task.chat_template)
