@@ -198,3 +198,50 @@ def test_report_shows_the_frontier_table(tmp_path):
     assert "<tr><td>grpo</td><td>base</td><td>0.625</td><td>0.097</td><td>0.521</td>" in page
     assert "<td>yes</td></tr>" in page
     assert bf.report_table([read_run(base)]) == ""
+
+
+def test_the_frontier_is_refused_with_one_sample_or_one_model_before_any_model_loads(tiny_model_dir, write_jsonl,
+                                                                                       tmp_path, monkeypatch, capsys):
+    import anabranch.models.loading as loading
+    from anabranch.cli import main
+    from anabranch.config import ConfigError
+    from anabranch.eval.runner import EvalSettings, run_eval
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    monkeypatch.setattr(loading, "load_tokenizer", no_load)
+    # n = 1: best-of-n has a single point (n = 1, KL 0), no curve to compare with.
+    assert main(["eval", tiny_model_dir, tiny_model_dir, "--bon-frontier", "--n", "1"]) == 2
+    assert "--bon-frontier needs --n >= 2" in capsys.readouterr().err
+    # One model: no base to measure the KL to.
+    overrides = eval_overrides(tiny_model_dir, digit_task(write_jsonl))
+    with pytest.raises(ConfigError, match="--bon-frontier needs at least two models"):
+        run_eval([tiny_model_dir], None, overrides, EvalSettings(n=2, bon_frontier=True), tmp_path / "ev")
+    assert not (tmp_path / "ev").exists()
+
+
+def test_sparse_selection_and_the_kl_share_one_loaded_base_per_trained_model(tiny_model_dir, write_jsonl, tmp_path,
+                                                                             monkeypatch):
+    import anabranch.models.loading as loading
+    from anabranch.eval.runner import EvalSettings, run_eval
+
+    real, loads = loading.load_model, []
+
+    def counting(*args, **kwargs):
+        loads.append(args[0].path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", counting)
+    other = perturbed(tiny_model_dir, tmp_path / "other" / "model")
+    settings = EvalSettings(n=2, greedy=False, embeddings=False, effective_rank=False, sparse_tokens=5,
+                            bon_frontier=True)
+    out = run_eval([tiny_model_dir, other], None, eval_overrides(tiny_model_dir, digit_task(write_jsonl)), settings,
+                   tmp_path / "ev")
+    # The base evaluated, the trained model evaluated, the base once beside it (not once per analysis).
+    assert loads == [tiny_model_dir, other, tiny_model_dir]
+    trained = out["models"][1]
+    assert trained["sparse_selection"]["positions"] == 5 and trained["sparse_selection"]["changed_positions"] > 0
+    assert trained["kl_to_base"]["sequences"] == 6 and trained["kl_to_base"]["kl"] != 0.0
+    assert "frontier" in trained["bon_frontier"]

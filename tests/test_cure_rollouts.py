@@ -71,6 +71,51 @@ def test_entropies_and_the_critical_token_from_hand_computed_values():
     assert hot[0, 2].item() == pytest.approx(math.log(3), abs=1e-5)
 
 
+def uneven_rollout(vocab, seed=0):
+    """6 rows (3 groups of 2) with prompts and responses of different real lengths."""
+    g = torch.Generator().manual_seed(seed)
+    p_len, r_len = [3, 5, 2, 5, 4, 1], [6, 2, 4, 1, 6, 3]
+    pm = torch.tensor([[0] * (5 - p) + [1] * p for p in p_len])
+    rm = torch.tensor([[1] * r + [0] * (6 - r) for r in r_len])
+    return Rollout(prompt_ids=torch.randint(4, vocab, (6, 5), generator=g) * pm,
+                   prompt_mask=pm, response_ids=torch.randint(4, vocab, (6, 6), generator=g) * rm, response_mask=rm,
+                   group_index=torch.arange(3).repeat_interleave(2), prompts=["a", "b", "c"], completions=["x"] * 6,
+                   truncated=torch.zeros(6, dtype=torch.bool))
+
+
+def test_entropy_pass_follows_the_token_budget_and_halves_it_on_oom(tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer import microbatch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    roll = uneven_rollout(model.config.vocab_size)
+    ref = token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False)
+    assert ref.abs().sum() > 0 and torch.equal(ref == 0, roll.response_mask == 0)
+    seen, real = [], microbatch.forward_micro_batch
+
+    def spy(model, mb, *a, **k):
+        seen.append(mb)
+        if oom[0] and len(mb.rows) > oom[0]:
+            raise torch.cuda.OutOfMemoryError("test: too many rows")
+        return real(model, mb, *a, **k)
+
+    monkeypatch.setattr(microbatch, "forward_micro_batch", spy)
+    oom = [0]
+    got = token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False, micro_batch_tokens=12)
+    assert torch.allclose(got, ref, atol=1e-5)
+    # packed by the budget as the update's passes, not by rows: several micro-batches, each of <= 12 computed
+    # tokens unless a single row is longer
+    assert len(seen) > 1 and all(mb.computed_tokens() <= 12 or len(mb.rows) == 1 for mb in seen)
+    seen.clear()
+    oom[0] = 2  # a micro-batch of more than 2 rows runs out of memory: the pass is re-planned smaller
+    got = token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False)
+    assert torch.allclose(got, ref, atol=1e-5) and len(seen[0].rows) == 6 and len(seen) > 2
+    oom[0] = -1  # every micro-batch fails, even single rows: the error is raised, not looped on
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False)
+
+
 def test_position_zero_ineligible_and_fallback():
     scores = torch.tensor([[9.0, 1.0, 5.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
     eligible = torch.tensor([[True, True, False, True], [False, False, False, False]])
@@ -209,6 +254,27 @@ def test_groups_hold_originals_and_their_branches():
     adv = grpo_advantage(rewards, out.group_index, out.response_mask, algo.cfg)[:, 0]
     std = math.sqrt(0.25)  # unbiased std of [1,0,1,1] = sqrt((3·(1/4)² + (3/4)²)/3) = 1/2
     assert adv[1].item() == pytest.approx(-0.75 / (std + algo.cfg.adv_epsilon), rel=1e-5)
+
+
+def test_cure_generate_plans_the_entropy_pass_with_the_update_token_budget(monkeypatch):
+    calls = []
+
+    def spy(model, rollout, micro, temperature, share_prefix=True, micro_batch_tokens=0):
+        calls.append((micro, temperature, share_prefix, micro_batch_tokens))
+        return torch.rand(rollout.response_ids.shape)
+
+    monkeypatch.setattr(cure_rollouts, "token_entropies", spy)
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(vocab_size=10)
+    c = SimpleNamespace(backend=ScriptedBackend(two_prompt_originals, [[8, EOS]]), tokenizer=Tok(), model=model)
+    cure_or_plain(c, ["q0", "q1"], cure_cfg("trainer.micro_batch_tokens=64", "trainer.micro_batch_size=3",
+                                            "rollout.temperature=0.7"), step=1)
+    assert calls == [(3, 0.7, True, 64)]
+    calls.clear()  # auto (-1) on CPU: the CPU budget the update resolves, not rows
+    cure_or_plain(c, ["q0", "q1"], cure_cfg("trainer.micro_batch_size=3"), step=1)
+    from anabranch.trainer.microbatch import resolve_micro_batch_tokens
+
+    assert calls[0][3] == resolve_micro_batch_tokens(-1, torch.device("cpu"), 10) > 0
 
 
 def test_stage_two_is_plain_sampling_after_cure_steps():

@@ -8,6 +8,7 @@ import pytest
 
 from anabranch.config import ConfigError, TaskConfig
 from anabranch.data.random_calculation import Node, generate, render
+from anabranch.data.files import DataError
 from anabranch.data.tasks import load_task
 
 
@@ -100,3 +101,34 @@ def test_gold_answers_get_full_math_verify_credit():
 def test_bad_params_are_refused_naming_the_key(params, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_task(TaskConfig(name="random_calculation", train_size=5, eval_size=2, params=params))
+
+
+def test_a_small_parameter_space_warns_when_fewer_than_eval_size_problems_are_held_out(caplog):
+    # 81 distinct one-step sums; the 320 held-out draws of seed 2 reach only 79 of them.
+    cfg = TaskConfig(name="random_calculation", train_size=400, eval_size=80, seed=2,
+                     params={"min_steps": 1, "max_steps": 1, "max_value": 9, "operators": ["+"]})
+    with caplog.at_level("WARNING", logger="anabranch.data.tasks"):
+        train, held = load_task(cfg)
+    assert len(held) == 79 and 0 < len(train)
+    assert "task.eval_size=80" in caplog.text and "only 79 distinct held-out problems" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="anabranch.data.tasks"):
+        load_task(TaskConfig(name="random_calculation", train_size=50, eval_size=5, seed=2))
+    assert "distinct held-out" not in caplog.text  # a space large enough: no warning
+    # Every training draw is a held-out problem: refused, naming the keys to change.
+    with pytest.raises(DataError, match="no training problems left.*task.eval_size"):
+        load_task(TaskConfig(name="random_calculation", train_size=50, eval_size=20, seed=0,
+                             params={"min_steps": 1, "max_steps": 1, "max_value": 3, "operators": ["+"]}))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("task.params.max_steps=-1", "task.params.max_steps"),
+    ("task.params.operators=[^]", "task.params.operators"),
+    ("task.params.depth=2", "depth"),
+])
+def test_bad_params_are_refused_at_config_load(override, key):
+    from anabranch.config import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, ["task.name=random_calculation", override])
+    load_config(None, ["task.name=random_calculation", "task.params.max_steps=4"])  # a good one loads

@@ -112,7 +112,7 @@ def _cfg(tmp_path, **over):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
     base = {"task.name": "file", "task.path": str(data), "rollout.retry_turns": 2,
-            "reward.functions": [{"name": "retry_turns"}]}
+            "reward.functions": [{"name": "retry_turns"}, {"name": "math_verify", "weight": 0}]}
     return load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
                               for k, v in {**base, **over}.items()])
 
@@ -120,9 +120,15 @@ def _cfg(tmp_path, **over):
 @pytest.mark.parametrize("over,match", [
     ({"rollout.tools": ["calculator"]}, "rollout.tools"),
     ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens"),
-    ({"reward.functions": [{"name": "format"}]}, "reward.functions needs retry_turns or math_verify"),
+    ({"reward.functions": [{"name": "format"}]}, "needs math_verify"),
+    ({"reward.functions": [{"name": "retry_turns"}]}, "needs math_verify"),  # no correctness source at all
+    ({"reward.functions": [{"name": "retry_turns"}, {"name": "reasoning_gym"}, {"name": "math_verify"}]},
+     "found 'reasoning_gym' first"),
+    ({"rollout.retry_turns": 0}, r"retry_turns reward needs rollout.retry_turns >= 2 \(got 0\)"),
+    ({"rollout.retry_turns": 1}, r"rollout.retry_turns >= 2 \(got 1\)"),
     ({"rollout.retry_turns": -1}, "rollout.retry_turns"),
-    ({"reward.functions": [{"name": "retry_turns", "params": {"gama": 0.5}}]}, "no option 'gama'"),
+    ({"reward.functions": [{"name": "retry_turns", "params": {"gama": 0.5}}, {"name": "math_verify"}]},
+     "no option 'gama'"),
 ])
 def test_refusals(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match):
@@ -170,3 +176,68 @@ def test_two_steps_of_training_with_retry_turns(tiny_model_dir, write_jsonl, tmp
         assert 1.0 < m["retry/attempts_mean"] <= 2.0
         assert m["retry/success_at_1"] <= m["retry/success_at_2"] <= 1.0
         assert -0.25 <= m["reward/mean"] <= 1.0 and math.isfinite(m["loss"]) and m["skipped_updates"] == 0
+
+
+@pytest.mark.parametrize("key,value", [("guide.enabled", True), ("scaffold.enabled", True), ("srpo_coef", 0.1)])
+def test_guide_scaffold_and_srpo_are_refused(tmp_path, key, value):
+    """Called directly, so this check is tested, not another module's (srpo.py refuses SRPO too)."""
+    from anabranch.rollout.retry_turns import check_config
+    cfg = _cfg(tmp_path)
+    check_config(cfg)  # the base config passes
+    obj, *path, last = ["algorithm", *key.split(".")]
+    target = getattr(cfg, obj)
+    for name in path:
+        target = getattr(target, name)
+    setattr(target, last, value)
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key}"):
+        check_config(cfg)
+
+
+def test_duplicate_prompt_texts_with_other_answers_are_refused(tmp_path):
+    from anabranch.rollout.retry_turns import answer_table
+    cfg = _cfg(tmp_path)
+    rows = [{"answer": "2"}, {"answer": "3"}, {"answer": "2 "}]
+    assert answer_table(cfg, [rows[0], rows[2]], ["p", "p"]) == {"p": "2"}  # the same answer twice: fine
+    with pytest.raises(ConfigError, match=r"row 2's prompt is also an earlier row's with another answer \('2' vs '3'\)"):
+        answer_table(cfg, rows, ["p", "p", "p"])
+
+
+def test_math_verify_on_a_transcript_is_solved_at_some_attempt():
+    """The trainer's right/wrong with retry turns is math_verify (weight 0) on the whole transcript. An
+    episode stops at its first correct attempt, so the transcript's last answer is the solving one: an
+    episode solved at attempt 2 (retry_turns reward 0.5) counts as correct, a never-solved one as wrong."""
+    from anabranch.eval.accuracy import batch_correct
+    from anabranch.rewards import build_rewards
+    from anabranch.rewards.compose import score_detailed
+    from anabranch.config import RewardConfig, RewardFunctionConfig
+
+    def episode(script):  # graded in the rollout by the real math-verify check
+        be = RetryTurnsBackend(Scripted(script), TOK, RolloutConfig(retry_turns=3, max_new_tokens=200), {"Q\n": "7"})
+        return be.generate(["Q\n"], 1).completions[0]
+
+    solved = episode(["so \\boxed{5}<|im_end|>", "then \\boxed{7}<|im_end|>"])
+    unsolved = episode(["so \\boxed{5}<|im_end|>", "then \\boxed{6}<|im_end|>", "hmm<|im_end|>"])
+    assert solved.count(FEEDBACK) == 1 and unsolved.count(FEEDBACK) == 2
+    sources = build_rewards(RewardConfig(functions=[RewardFunctionConfig("retry_turns"),
+                                                    RewardFunctionConfig("math_verify", weight=0.0)],
+                                         isolation="thread"))
+    batch = score_detailed(sources, ["Q\n"] * 2, [solved, unsolved], [{"answer": "7"}] * 2)
+    assert batch.per_source["retry_turns"] == [0.5, 0.0]  # unsolved: 2 distinct answers in 2, no penalty
+    assert batch.per_source["math_verify"] == [1.0, 0.0]
+    assert batch_correct(batch, sources) == [1.0, 0.0]
+
+
+def test_rows_without_answers_are_refused_before_the_model_loads(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
+    from anabranch.trainer import components
+    from test_train_e2e import tiny_overrides
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the data check")
+
+    monkeypatch.setattr(components, "load_model", no_model)
+    data = write_jsonl([{"prompt": f"Q{i}", "answer": "" if i == 3 else "7"} for i in range(12)])
+    over = {"rollout.retry_turns": 2, "task.eval_size": 2,
+            "reward.functions": json.dumps([{"name": "retry_turns"}, {"name": "math_verify", "weight": 0}])}
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **over))
+    with pytest.raises(ConfigError, match="gold answer in every training row"):
+        components.build(cfg)

@@ -136,6 +136,28 @@ def test_groups_with_a_success_are_untouched_and_off_by_default(tiny_model_dir, 
     assert "Start: a b c d" in out.rollout.prompts[0] and out.metrics["scaffold/hint_ratio"] == 0.5
 
 
+def test_hinted_groups_are_plain_samples_in_cure_stage_one(tiny_model_dir, write_jsonl, tmp_path):
+    from anabranch.trainer.collect import generate_scored
+
+    cfg, c, kinds = components(tiny_model_dir, write_jsonl, tmp_path, **{
+        "algorithm.scaffold.ratios": "[0.5]", "rollout.n": 4, "rollout.extra_rollouts": "cure",
+        "rollout.cure_originals": 2, "rollout.cure_branches": 1, "rollout.cure_steps": 5,
+        "rollout.cure_selection": "random", "rollout.cure_min_token_chars": 0})
+    batch = generate_scored(c, [kinds["free"][0], kinds["never"][0]], cfg, step=1)
+    assert batch.metrics["cure/active"] == 1.0 and batch.rollout.loss_mask is not None  # the step's own: CURE's
+    branched = []
+    cont = c.backend.continue_ids
+    c.backend.continue_ids = lambda seqs, *a, **kw: (branched.append(len(seqs)), cont(seqs, *a, **kw))[1]
+    out = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    assert branched == []  # the hinted prompt was sampled plainly, not originals + critical-token branches
+    r = out.rollout
+    hinted = (r.group_index == 1).nonzero().flatten()
+    assert len(hinted) == 4 and "Start: a b c d" in r.prompts[1]  # rollout.n samples: the group keeps its size
+    assert torch.equal(r.trained_mask[hinted], r.response_mask[hinted])  # every sampled token trained (no prefix)
+    own = (r.group_index == 0).nonzero().flatten()
+    assert torch.equal(r.loss_mask[own], batch.rollout.loss_mask[:4, :r.loss_mask.shape[1]])  # group 0 as it was
+
+
 # ---------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("overrides,match", [
@@ -162,6 +184,10 @@ def test_inactive_knobs_and_whole_config_combinations_are_refused():
         cfg = load_config(None, [f"algorithm.scaffold.{key}={value}"])
         with pytest.raises(ConfigError, match=rf"'algorithm.scaffold.{key}' has no effect unless algorithm.scaffold"):
             resolve_algorithm(cfg.algorithm)
+    # At config load, as Guide's (config_loading.validate; the same shared refusals, named by scaffold's key).
+    with pytest.raises(ConfigError, match=r"algorithm.scaffold.enabled cannot be used with rollout.backend='vllm'.*"
+                                          r"or set algorithm.scaffold.enabled=false"):
+        load_config(None, ["algorithm.scaffold.enabled=true", "rollout.backend=vllm"])
     cfg = load_config(None, ["algorithm.scaffold.enabled=true"])
     check_run(cfg)
     for key, value, match in (("rollout", {"backend": "vllm"}, "rollout.backend='vllm'"),

@@ -86,12 +86,31 @@ def test_teacher_context_ids_sibling_answer_and_none():
     ro = _rollout(tok, prompts, ["17", "3", "5", "6", "7", "7"], [0, 0, 1, 1, 2, 2])
     correct = torch.tensor([True, False, False, False, True, True])
     answers = ["7", "7", "42", None, "7", "7"]  # row 3: no reference answer
-    rows, ctx, kinds = teacher_contexts(ro, correct, answers, tok, "<{solution}>")
+    rows, ctx, kinds = teacher_contexts(ro, correct, answers, tok, "<{solution}>", [tok.eos_token_id])
     enc = partial(tok.encode, add_special_tokens=False)
     assert rows == [1, 2] and kinds == ["sibling", "answer"]
     # Row 1: its prompt, unpadded, + "<" + the correct sibling's response without its EOS + ">".
     assert ctx[0] == enc("Q0") + enc("<") + enc("17") + enc(">")
     assert ctx[1] == enc("Qq1") + enc("<") + enc("42") + enc(">")  # no correct sibling: the reference answer
+
+
+def test_sibling_loses_any_backend_stop_id_not_only_the_tokenizer_eos():
+    """A chat model stops on <|im_end|> while tokenizer.eos_token_id is <|endoftext|>: the backend's eos_ids
+    hold both, and the sibling's end-of-turn must not stay inside the teacher's context."""
+    tok = _tok()
+    enc = partial(tok.encode, add_special_tokens=False)
+    im_end = enc("#")[0]  # stands for <|im_end|>: a stop id that is not tok.eos_token_id
+    assert im_end != tok.eos_token_id
+    ro = _rollout(tok, ["Q0", "Q0"], ["17", "3"], [0, 0])
+    ro.response_ids[0, 2] = im_end  # row 0 ("17") ended on the other stop id
+    correct, answers = torch.tensor([True, False]), ["7", "7"]
+    _, ctx, _ = teacher_contexts(ro, correct, answers, tok, "<{solution}>", [tok.eos_token_id, im_end])
+    assert ctx == [enc("Q0") + enc("<17>")]
+    # SRPO takes the stop ids from the rollout backend (hf / vllm ``eos_ids``), with the tokenizer's EOS.
+    cfg = load_config(None, ["algorithm.name=srpo"])
+    srpo = SRPO.create(cfg, SimpleNamespace(sharded=False),
+                       SimpleNamespace(tokenizer=tok, backend=SimpleNamespace(eos_ids=[im_end])))
+    assert srpo.stop_ids == sorted({im_end, tok.eos_token_id})
 
 
 class _Batch(SimpleNamespace):
@@ -210,3 +229,45 @@ def test_policy_update_pulls_failed_row_toward_teacher(tiny_model_dir):
     after = no_grad_log_probs(model, ro, 2, 1.0)
     gain = ((after - before) * mask).sum(-1) / mask.sum(-1)
     assert gain[1] > 1e-3, gain  # the failed row's tokens became more likely, toward the teacher
+
+
+def test_weights_normalized_over_the_update_trained_tokens(tiny_model_dir):
+    """ω has mean 1 over the tokens the update trains (train_rollout's mask), not over rollout's: a token
+    or a row the overlong filter (or any loss mask) removed is neither weighted nor counted, nor distilled."""
+    from anabranch.config import ModelConfig
+    from anabranch.models.loading import load_model
+
+    tok = _tok()
+    model = load_model(ModelConfig(path=str(tiny_model_dir)), torch.device("cpu"), trainable=False)
+    ro = _rollout(tok, ["Q0", "Q0", "Q0"], ["17", "3x", "5y"], [0, 0, 0])  # widths: 3 tokens each
+    batch = _Batch(per_source={}, total=[1.0, 0.0, 0.0], rows=[{"answer": "17"}] * 3)
+    cfg = load_config(None, ["algorithm.name=srpo", "algorithm.srpo_coef=0.5"])
+    srpo = SRPO.create(cfg, SimpleNamespace(sharded=False), SimpleNamespace(tokenizer=tok))
+    trained = ro.trained_mask.clone()
+    trained[1, 2] = 0  # row 1's last token is not trained
+    trained[2] = 0  # row 2 left the loss (e.g. truncated, DAPO's overlong filter)
+    st = srpo.step(model, batch, ro, [], trained_mask=trained)
+    assert st.distilled.tolist() == [False, True, False]
+    assert st.weight[1, 2] == 0 and st.weight[[0, 2]].abs().sum() == 0
+    assert st.weight[1, :2].mean().item() == pytest.approx(0.5, abs=1e-5)  # β · mean-1 ω over 2 tokens
+    # The untrained row keeps its (GRPO) advantage: it is not routed.
+    assert st.advantages(torch.ones(3, 3))[:, 0].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_refused_combinations_name_the_keys():
+    for extra, match in ((["algorithm.hpt.enabled=true"], "srpo_coef > 0 with algorithm.hpt.enabled"),
+                         (["algorithm.guide.enabled=true"], "srpo_coef > 0 with algorithm.guide.enabled")):
+        with pytest.raises(ConfigError, match=match):
+            resolve_algorithm(load_config(None, ["algorithm.name=srpo", *extra]).algorithm)
+        resolve_algorithm(load_config(None, ["algorithm.name=grpo", *extra]).algorithm)  # SRPO off: accepted
+    # Hint scaffolding trains its groups in their hinted prompts, which the teacher context starts with.
+    resolve_algorithm(load_config(None, ["algorithm.name=srpo", "algorithm.scaffold.enabled=true"]).algorithm)
+    from anabranch.algorithms.srpo import check_srpo_run
+
+    cfg = load_config(None, ["algorithm.name=srpo"])
+    retry = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=2))
+    with pytest.raises(ConfigError, match="srpo_coef > 0 with rollout.retry_turns=2"):
+        check_srpo_run(retry)
+    check_srpo_run(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=1)))
+    off = load_config(None, [])
+    check_srpo_run(dataclasses.replace(off, rollout=dataclasses.replace(off.rollout, retry_turns=2)))

@@ -118,6 +118,8 @@ class TaskConfig:
     # Low-likelihood focus (Nguyen et al. 2025, "The Reasoning Boundary Paradox", arXiv 2510.02230;
     # trainer/curation.py): "none" or "low_likelihood", train only on the prompts the initial policy
     # solves with a low success rate p̂, measured by a pre-pass before training. Off by default.
+    # "greedy_wrong" (trainer/greedy_filter.py): the authors' released online variant, each round's drawn
+    # prompts decoded once greedily by the current policy, only the wrong ones sampled (one process only).
     curation: str = "none"
     # Kept: curation_min_rate <= p̂ <= curation_max_rate (the paper's released code keeps prompts whose
     # greedy answer is wrong; these thresholds are the sampled-rate reading, 0.5 assumed).

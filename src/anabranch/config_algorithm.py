@@ -131,6 +131,14 @@ class AlgorithmConfig:
     # pacs_class_balance weighs each group's right and wrong samples as balanced classes (the authors' runs).
     pacs_beta: float = 1.0
     pacs_class_balance: bool = True
+    # ReasonMaxxer (Akgül et al. 2026, arXiv 2605.06241; algorithms/reasonmaxxer.py; algorithm.name=reasonmaxxer):
+    # −log π on correct samples' tokens, −λ·log(1 − π) on incorrect ones' (λ = reasonmaxxer_neg_weight; correct:
+    # reward above its group's mean), only where the reference (base) model's entropy is high: the top
+    # reasonmaxxer_top_frac of the batch's response tokens, or those >= reasonmaxxer_entropy_threshold (nats) when
+    # set. Contrast form, λ = 1 and ρ = 0.2 assumed (the paper's exact loss and gate were not found).
+    reasonmaxxer_top_frac: float = 0.2
+    reasonmaxxer_entropy_threshold: Optional[float] = None
+    reasonmaxxer_neg_weight: float = 1.0
     # UCAS (Xie et al. 2025, algorithms/ucas.py): Â × exp(−ucas_beta_pos·ĉ) where Â > 0, × exp(ucas_beta_neg·ĉ)
     # elsewhere (ĉ the group z-score of the response's summed self-certainty under π_old), minus
     # ucas_token_coef × the batch min-max-normalized raw logit of each sampled token; false is off.
@@ -225,3 +233,7 @@ class AlgorithmConfig:
     # Q-value Q(s, a) = ρ·(log π_θ(a|s) − log π_old(a|s)), fitted to r̃ + mean over the vocabulary of
     # Q(s', ·); must be > 0 (the authors' code: 1).
     rover_rho: float = 1.0
+    # BRAIn (Pandey et al. 2024, arXiv 2402.02479; algorithms/brain.py; algorithm.name=brain): temperature β of the
+    # reward likelihood p(G=1|x,y) ∝ exp(r/β) in the target posterior π_ref·exp(r/β)/Z (the KL coefficient whose
+    # PPO optimum it is); positive and finite; only with loss=brain. 0.1 is assumed (the paper's value not found).
+    brain_beta: float = 0.1

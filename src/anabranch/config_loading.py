@@ -321,11 +321,16 @@ def validate(cfg: Config) -> None:
         from anabranch.trainer.curation import check_curation_config
 
         check_curation_config(cfg)
+    if cfg.task.name == "random_calculation":  # its task.params, refused at load rather than at the first data load
+        from anabranch.data.random_calculation import check_params
+
+        check_params(cfg.task.params)
     if cfg.algorithm.loss == "pacs":  # the reward is PACS's label in [0, 1]: refused before any model loads
         from anabranch.algorithms.pacs import check_pacs_rewards
 
         check_pacs_rewards(cfg)
-    if cfg.rollout.retry_turns >= 2:  # UFO's retry turns: tools, min_new_tokens, tasks without a math check
+    if cfg.rollout.retry_turns >= 2 or any(getattr(f, "name", None) == "retry_turns" for f in cfg.reward.functions):
+        # UFO's retry turns: tools, Guide, SRPO, the correctness reward; its reward without retry turns
         from anabranch.rollout.retry_turns import check_config as check_retry_turns
 
         check_retry_turns(cfg)
@@ -341,6 +346,10 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.guide import check_run as check_guide_run
 
         check_guide_run(cfg)
+    if cfg.algorithm.scaffold.enabled:  # GHPO scaffolding (algorithms/scaffold.py): the same refusals as Guide's
+        from anabranch.algorithms.scaffold import check_run as check_scaffold_run
+
+        check_scaffold_run(cfg)
     if cfg.algorithm.dynamic_sampling_filter == "std" and cfg.algorithm.dynamic_sampling_metric == "accuracy":
         # RLPR's filter measures the spread of the reward; on the right/wrong flags it measures p̂(1−p̂).
         from anabranch.rewards.guard import warn
@@ -369,6 +378,9 @@ _GATED = [
      "algorithm.loss=etr (algorithm.name=etr)"),
     ("algorithm", ("pacs_beta", "pacs_class_balance"), lambda c: c.algorithm.loss == "pacs",
      "algorithm.loss=pacs (algorithm.name=pacs)"),
+    # ReasonMaxxer (algorithms/reasonmaxxer.py): its gate and contrast weight, options of its objective only.
+    ("algorithm", ("reasonmaxxer_top_frac", "reasonmaxxer_entropy_threshold", "reasonmaxxer_neg_weight"),
+     lambda c: c.algorithm.loss == "reasonmaxxer", "algorithm.loss=reasonmaxxer (algorithm.name=reasonmaxxer)"),
     ("algorithm", ("canon_metric", "canon_inter_weight"), lambda c: c.algorithm.advantage == "canon",
      "algorithm.advantage=canon"),
     # ER/ERV/ERA shaping (algorithms/er_shaping.py): its knobs act only with a positive coefficient.

@@ -7,10 +7,12 @@ from anabranch.algorithms import flowrl, grpo  # noqa: F401  (registers entries)
 from anabranch.algorithms import advantages, cov_control, objectives, ppo_value  # noqa: F401
 from anabranch.algorithms import ace, ngrpo  # noqa: F401
 from anabranch.algorithms import fdpg  # noqa: F401
+from anabranch.algorithms import brain  # noqa: F401  (BRAIn: reward-conditioned posterior, self-normalized)
 from anabranch.algorithms import rover  # noqa: F401
 from anabranch.algorithms import canon, etr, pacs, weighted_grpo  # noqa: F401
 from anabranch.algorithms import mssr, ppl_position  # noqa: F401  (MSSR; PPL/position shaping)
 from anabranch.algorithms import srpo  # noqa: F401  (SRPO recipe: GRPO + self-distillation of failed rows)
+from anabranch.algorithms import reasonmaxxer  # noqa: F401  (RL-free contrast at base-entropy gates)
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.resolve import Algorithm, resolve_algorithm
 

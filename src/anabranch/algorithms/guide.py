@@ -139,20 +139,27 @@ def check_guide(cfg) -> str | None:
 
 def check_run(cfg) -> None:
     """Combinations of the whole config refused before any model loads (config_loading.validate)."""
+    if cfg.algorithm.guide.enabled:
+        refuse_hint_resampling(cfg, "algorithm.guide.enabled", "Guide")
+
+
+def refuse_hint_resampling(cfg, key: str, name: str) -> None:
+    """The whole-config combinations refused to every method that re-samples failed prompts with a hint
+    mid-step (Guide, GHPO scaffolding: ``name``), raised as a ConfigError naming ``key`` (its switch)."""
     from anabranch.config import ConfigError
 
-    if not cfg.algorithm.guide.enabled:
-        return
     why = None
     if cfg.rollout.backend != "hf":
-        why = (f"rollout.backend={cfg.rollout.backend!r}: Guide generates its hinted samples mid-step with the "
+        why = (f"rollout.backend={cfg.rollout.backend!r}: {name} generates its hinted samples mid-step with the "
                "rollout backend, per rank and in varying numbers, which is implemented and tested with the "
                "hf backend only; set rollout.backend=hf")
     elif cfg.rollout.tools:
-        why = ("rollout.tools: multi-turn tool rollouts put tool outputs inside the response, whose "
-               "hinted-context log-probs are not the sampler's; leave rollout.tools empty")
+        # Guide's behaviour log-probs and scaffolding's hinted samples are single-turn: a tool output inside
+        # a response is not the policy's token, and the hinted prompts do not run the tool loop.
+        why = ("rollout.tools: multi-turn tool rollouts put tool outputs inside the response, and the hinted "
+               "samples are generated without the tool loop; leave rollout.tools empty")
     elif cfg.task.pairing:
         why = ("task.pairing: prompt pairing trains fixed (q+, q−) groups whose roles assume their own samples; "
                "set task.pairing=false")
     if why is not None:
-        raise ConfigError(f"algorithm.guide.enabled cannot be used with {why}, or set algorithm.guide.enabled=false")
+        raise ConfigError(f"{key} cannot be used with {why}, or set {key}=false")

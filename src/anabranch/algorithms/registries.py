@@ -5,6 +5,7 @@
   -> (loss, metrics)``; registered with ``needs=(...)`` naming the extra inputs it reads from
   ``ctx`` (``ref_log_prob``, ``old_log_prob``, ``entropy``, ``hidden``), so the trainer computes
   only those.
+  ``ref_entropy``: the reference model's token entropies from the rollout pass (ReasonMaxxer's gate).
   Registered with ``group=True`` when it compares the samples of a prompt (needs rollout.n >= 2),
   ``needs=(...)``, ``modules={...}`` (extra heads) and ``aux_loss=fn`` (e.g. a critic loss).
 - ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults

@@ -242,6 +242,13 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
 
+    # BRAIn's temperature (algorithms/brain.py): its range, and refused with any other loss (it would do nothing).
+    from anabranch.algorithms.brain import check_brain
+
+    error = check_brain(cfg)
+    if error:
+        raise ConfigError(error)
+
     # ER/ERV/ERA shaping's keys (algorithms/er_shaping.py).
     error = check_er_shaping(cfg)
     if error:
@@ -311,6 +318,12 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
                           "policy-gradient term by zeroing their advantage, which a loss that reads the reward back "
                           "from its advantages would take as a target; use a policy-gradient loss (e.g. "
                           "algorithm.name=grpo) or set algorithm.srpo_coef=0")
+    # ReasonMaxxer's gate and contrast (algorithms/reasonmaxxer.py): its keys, and what cannot act with it.
+    from anabranch.algorithms.reasonmaxxer import check_reasonmaxxer
+
+    error = check_reasonmaxxer(cfg)
+    if error:
+        raise ConfigError(error)
     # KDRL's teacher KL (algorithms/kdrl.py); the teacher's path and vocabulary are checked when it loads.
     from anabranch.algorithms.kdrl import check_kdrl
 

@@ -19,7 +19,9 @@ no ratio toward the hint-free context is taken: the hint part of the prompt is c
 
 How this library realises it (trainer/scaffold_step.py): after the step's rollouts are scored, each group
 with no correct sample (full credit on the correctness reward, or on the total reward when no reward says
-right/wrong, as Guide and HPT count it) is sampled again, ``rollout.n`` samples, with the hint of stage 1
+right/wrong, as Guide and HPT count it) is sampled again, ``rollout.n`` plain samples (also in CURE's
+stage 1, ``rollout.extra_rollouts=cure``: its critical-token branches are for the step's own prompts; a
+hinted group of n plain samples has the size of CURE's groups), with the hint of stage 1
 (ω = ``algorithm.scaffold.ratios[0]``); the groups still without a correct sample go to stage 2, and so on
 to the last ratio. Each hinted group *replaces* the failed one, with the samples of the last stage it
 reached and the hinted prompt's tokens as its context, so π_old (and any old log-probs the objective
@@ -116,21 +118,9 @@ def check_scaffold(cfg) -> str | None:
 
 
 def check_run(cfg) -> None:
-    """Combinations of the whole config refused before any model loads (trainer/loop.py, first thing)."""
-    from anabranch.config import ConfigError
+    """Combinations of the whole config refused before any model loads (config_loading.validate): the
+    backend, tools and pairing refusals it shares with Guide (algorithms/guide.py)."""
+    from anabranch.algorithms.guide import refuse_hint_resampling
 
-    if not cfg.algorithm.scaffold.enabled:
-        return
-    why = None
-    if cfg.rollout.backend != "hf":
-        why = (f"rollout.backend={cfg.rollout.backend!r}: scaffolding generates its hinted samples mid-step with "
-               "the rollout backend, per rank and in varying numbers, which is implemented and tested with the hf "
-               "backend only; set rollout.backend=hf")
-    elif cfg.rollout.tools:
-        why = ("rollout.tools: multi-turn tool rollouts are not re-sampled with hints; leave rollout.tools empty")
-    elif cfg.task.pairing:
-        why = ("task.pairing: prompt pairing trains fixed (q+, q−) groups whose roles assume their own prompts; "
-               "set task.pairing=false")
-    if why is not None:
-        raise ConfigError(f"algorithm.scaffold.enabled cannot be used with {why}, or set "
-                          "algorithm.scaffold.enabled=false")
+    if cfg.algorithm.scaffold.enabled:
+        refuse_hint_resampling(cfg, "algorithm.scaffold.enabled", "scaffolding")

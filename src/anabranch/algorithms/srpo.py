@@ -36,7 +36,12 @@ its abstract and summaries; SDPO's loss and defaults from its paper and its publ
   It is the "token-level" SDPO variant the SDPO paper compares (logit > token > sequence).
 - ASSUMED, weighting: exp(−H_T) normalized to mean 1 over the batch's distilled tokens (a softmax
   over tokens, times their count), so that the weighting redistributes the term without changing its
-  scale; under data parallelism the mean is over each rank's own tokens.
+  scale; the distilled tokens are those the update trains (the trained mask after DAPO's overlong
+  filter), and under data parallelism the mean is over each rank's own tokens.
+- Refused: HPT (its groups leave the RL loss, and their distillation with them), Guide (its groups are
+  sampled with a hint but trained without it: off-policy for the distillation term), rollout.retry_turns
+  >= 2 (a correct sibling's episode holds its failed attempts). Hint scaffolding (GHPO) is accepted: its
+  groups are trained in their hinted prompt, which the teacher's context then starts with, on-policy.
 - ASSUMED, normalization: the distillation term shares the GRPO term's aggregator; rows without any
   feedback (no correct sibling and no reference answer) keep their GRPO advantage and no distillation.
 """
@@ -74,6 +79,18 @@ def check_srpo(cfg) -> str | None:
     if not isinstance(cfg.srpo_feedback_template, str) or "{solution}" not in cfg.srpo_feedback_template:
         return ("algorithm.srpo_feedback_template must be a string containing '{solution}' (where the correct "
                 f"sibling or the reference answer goes; got {cfg.srpo_feedback_template!r})")
+    if c > 0 and cfg.hpt.enabled:
+        # HPT's switched groups leave train_rollout (an empty loss mask), so their distillation would vanish.
+        return ("algorithm.srpo_coef > 0 with algorithm.hpt.enabled: HPT takes its low-accuracy groups out of the RL "
+                "loss, and with them the failed rows SRPO would distil, so their distillation would silently vanish; "
+                "set algorithm.srpo_coef=0 or algorithm.hpt.enabled=false")
+    if c > 0 and cfg.guide.enabled:
+        # Guide's replaced groups were sampled with a hint but are trained hint-free: their failed responses are
+        # off-policy for the student, so ½d² no longer follows the reverse-KL gradient (no importance correction).
+        return ("algorithm.srpo_coef > 0 with algorithm.guide.enabled: Guide's groups are sampled with a hint and "
+                "trained without it, so their failed responses are not the student's own samples and the "
+                "self-distillation term has no off-policy correction; set algorithm.srpo_coef=0 or "
+                "algorithm.guide.enabled=false")
     if c == 0:
         # Knobs of an SRPO that is off would silently do nothing.
         for key, default in (("srpo_entropy_weight", "softmax"), ("srpo_feedback_template", DEFAULT_TEMPLATE)):
@@ -81,6 +98,19 @@ def check_srpo(cfg) -> str | None:
                 return (f"config key 'algorithm.{key}' has no effect unless algorithm.srpo_coef > 0 (got "
                         f"{getattr(cfg, key)!r}); set algorithm.srpo_coef or leave it at its default")
     return None
+
+
+def check_srpo_run(cfg) -> None:
+    """Combinations of the whole config refused before any model loads (trainer/loop.py, first thing)."""
+    from anabranch.config import ConfigError
+
+    if srpo_on(cfg.algorithm) and cfg.rollout.retry_turns >= 2:
+        # A correct sibling's response is its whole episode: failed attempts, the "try again" turns and the
+        # final answer; as feedback it would show the teacher those failed attempts as "a correct solution".
+        raise ConfigError(f"algorithm.srpo_coef > 0 with rollout.retry_turns={cfg.rollout.retry_turns}: a correct "
+                          "sibling's response is its whole multi-attempt episode (failed attempts and feedback "
+                          "turns included), which is not a correct solution to show the self-teacher; set "
+                          "rollout.retry_turns=0 or algorithm.srpo_coef=0")
 
 
 def entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -24,7 +24,9 @@ made of basic operations on random numbers, not the exact recipe, so the followi
 
 Splits: the held-out problems come from seed ``task.seed + 10_007``, the training ones from
 ``task.seed``; training problems whose text is also a held-out problem are removed, so the
-held-out accuracy measures problems never trained on (as for reasoning-gym tasks, data/tasks.py).
+held-out accuracy measures problems never trained on (the split of reasoning-gym tasks,
+``data.tasks.split_held_out``). A parameter space too small for ``task.eval_size`` distinct
+problems gives fewer, with a warning. The params are checked at config load (config_loading.py).
 Keys, in ``task.params``: min_steps, max_steps, min_value, max_value, operators.
 """
 
@@ -35,8 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from anabranch.config import ConfigError, TaskConfig
-from anabranch.data.files import DataError
-from anabranch.data.tasks import TASKS
+from anabranch.data.tasks import TASKS, split_held_out
 
 # Small enough for a 135M model to learn on a CPU; task.params overrides any of them.
 DEFAULTS = {"min_steps": 1, "max_steps": 3, "min_value": 1, "max_value": 20, "operators": ["+", "-", "*", "/"]}
@@ -144,13 +145,5 @@ def generate(seed: int, size: int, params: dict) -> list[dict]:
 @TASKS.register("random_calculation")
 def random_calculation_task(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     held_pool = generate(cfg.seed + HELD_OUT_SEED_OFFSET, max(4 * cfg.eval_size, 1), cfg.params)
-    held, seen = [], set()
-    for row in held_pool:  # distinct held-out problems (short expressions repeat)
-        if row["question"] not in seen and len(held) < cfg.eval_size:
-            seen.add(row["question"])
-            held.append(row)
-    train = [r for r in generate(cfg.seed, cfg.train_size, cfg.params) if r["question"] not in seen]
-    if not train:
-        raise DataError(f"task random_calculation with params {cfg.params} has no training problems left after "
-                        f"removing the {len(held)} held-out ones; lower task.eval_size or widen task.params")
-    return train, held
+    return split_held_out(generate(cfg.seed, cfg.train_size, cfg.params), held_pool, cfg.eval_size,
+                          f"task random_calculation with params {cfg.params}")

@@ -74,16 +74,30 @@ def reasoning_gym_task(cfg: TaskConfig, name: str) -> tuple[list[dict], list[dic
         train = reasoning_gym.create_dataset(name, size=cfg.train_size, seed=cfg.seed, **params)
     except (TypeError, ValueError, AssertionError) as exc:  # reasoning-gym validates its configs with assert
         raise ConfigError(f"task.params {cfg.params} do not fit reasoning-gym task {name!r}: {exc}") from exc
-    eval_rows, seen = [], set()
-    for entry in held:
-        if entry["question"] not in seen and len(eval_rows) < cfg.eval_size:
-            seen.add(entry["question"])
-            eval_rows.append(_rg_row(held, entry))
-    train_rows = [_rg_row(train, e) for e in train if e["question"] not in seen]
-    if not train_rows:
-        raise DataError(f"task {name!r} with params {params} has no training problems left after "
-                        f"removing the {len(eval_rows)} held-out ones; lower task.eval_size or widen task.params")
-    return train_rows, eval_rows
+    train_rows, eval_rows = split_held_out(train, held, cfg.eval_size, f"task {name!r} with params {params}")
+    return [_rg_row(train, e) for e in train_rows], [_rg_row(held, e) for e in eval_rows]
+
+
+def split_held_out(train_pool, held_pool, eval_size: int, what: str) -> tuple[list, list]:
+    """(training rows, held-out rows) of a procedural task drawn twice with different seeds: the first
+    ``eval_size`` distinct questions of ``held_pool`` (short problems repeat), and ``train_pool`` less
+    every held-out question, so that the held-out accuracy measures problems never trained on.
+    A small problem space can hold fewer distinct problems than asked: said aloud, not silent."""
+    held, seen = [], set()
+    for row in held_pool:
+        if len(held) == eval_size:
+            break
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            held.append(row)
+    if len(held) < eval_size:
+        log.warning("task.eval_size=%d: %s has only %d distinct held-out problems; widen task.params for more",
+                    eval_size, what, len(held))
+    train = [r for r in train_pool if r["question"] not in seen]
+    if not train:
+        raise DataError(f"{what} has no training problems left after removing the {len(held)} held-out ones; "
+                        "lower task.eval_size or widen task.params")
+    return train, held
 
 
 def _rg_row(dataset, entry: dict) -> dict:

@@ -41,7 +41,6 @@ curve at KL 0, one above the base's k samples' reach (KL_BoN(k)) gives no compar
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -160,35 +159,24 @@ def against_base(base_entry: dict, entry: dict) -> dict:
 def sequence_log_ratios(trained, base, sequences: list, temperature: float, chunk: int = 8) -> list[float]:
     """Σ_t [log π_θ − log π_ref] over the counted tokens of each sequence
     (:class:`anabranch.eval.sparse_selection.Sequence`), one forward pass of each model per chunk."""
-    from anabranch.eval.sparse_selection import _batch
+    from anabranch.eval.sparse_selection import pad_batch
     from anabranch.models.logprobs import response_forward
 
     device = next(trained.parameters()).device
     out: list[float] = []
     for start in range(0, len(sequences), chunk):
-        ids, mask, counted, r = _batch(sequences[start:start + chunk], device)
+        ids, mask, counted, r = pad_batch(sequences[start:start + chunk], device)
         lp_t = response_forward(trained, ids, mask, r, temperature=temperature).log_probs
         lp_b = response_forward(base, ids, mask, r, temperature=temperature).log_probs
         out += ((lp_t.float() - lp_b.float()) * counted).sum(-1).tolist()
     return out
 
 
-def kl_to_base(cfg, base_spec, trained, tokenizer, sequences: list, temperature: float, device) -> dict:
-    """Load the base model beside ``trained`` and estimate KL(π_θ‖π_ref) on the trained samples."""
-    from anabranch.eval.sparse_selection import _vocab_size
-    from anabranch.models.loading import load_model, load_tokenizer
-
+def kl_to_base(trained, base, sequences: list, temperature: float) -> dict:
+    """KL(π_θ‖π_ref) estimated on the trained model's samples, the base loaded beside ``trained``
+    (by :func:`anabranch.eval.beside_base.load_comparable_base`, shared with sparse selection)."""
     out = {"temperature": temperature}
-    if not cfg.model.tokenizer:  # each model has its own tokenizer: the ids must mean the same tokens
-        if load_tokenizer(dataclasses.replace(cfg.model, path=base_spec.path)).get_vocab() != tokenizer.get_vocab():
-            return {**out, "error": "the base and trained tokenizers differ: no KL between them"}
-    base = load_model(dataclasses.replace(cfg.model, path=base_spec.path), device, trainable=False)
-    try:
-        if _vocab_size(base) != _vocab_size(trained):
-            return {**out, "error": "the base and trained vocabularies differ: no KL between them"}
-        ratios = sequence_log_ratios(trained, base, sequences, temperature)
-    finally:
-        del base
+    ratios = sequence_log_ratios(trained, base, sequences, temperature)
     by_problem: dict[int, list[float]] = {}
     for s, v in zip(sequences, ratios):
         by_problem.setdefault(s.problem, []).append(v)

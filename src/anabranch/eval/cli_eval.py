@@ -37,7 +37,8 @@ def _add_sampling(p) -> None:
     p.add_argument("--bon-frontier", action="store_true",
                    help="did RL beat best-of-n at the same KL? the first model's best-of-n and optimal tilted "
                         "reward-vs-KL curves and each later model's reward and KL to it (one forward pass of "
-                        "each model over the later model's samples; bon_frontier.png)")
+                        "each model over the later model's samples; bon_frontier.png); needs two or more "
+                        "models and --n >= 2")
 
 
 def _ratios(text: str) -> list[float]:

@@ -79,6 +79,9 @@ class EvalSettings:
         if self.sparse_tokens < 0:
             raise ConfigError(f"--sparse-tokens must be >= 0 (response positions compared against the base "
                               f"model; 0: skip the sparse-selection analysis), got {self.sparse_tokens}")
+        if self.bon_frontier and self.n < 2:
+            raise ConfigError(f"--bon-frontier needs --n >= 2 samples per problem: with --n {self.n} the base's "
+                              "best-of-n curve is the single point n=1 at KL 0, nothing to compare with")
         if self.contamination:
             from anabranch.eval.contamination import check_ratios
 
@@ -224,33 +227,10 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
                      for t, ans, ok, v in zip(g, a, c, values[i * settings.n:(i + 1) * settings.n])]}
         for i, (r, g, a, c) in enumerate(zip(rows, completions, answers, correct))]
     del backend  # sampling is done: its engine (vLLM's reserved memory) goes before a second model loads
-    if sparse:  # while the trained model is loaded: the base is loaded next to it
-        import gc
+    if sparse or bon:  # while the trained model is loaded: the base is loaded once beside it, for both
+        from anabranch.eval.beside_base import compare_with_base
 
-        from anabranch.eval.sparse_selection import against_base
-
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            entry["sparse_selection"] = against_base(cfg, base, model, tokenizer, sampled, settings.sparse_tokens,
-                                                     device)
-        except torch.OutOfMemoryError as err:  # the entry's other results are kept; --sparse-tokens 0 skips it
-            entry["sparse_selection"] = {"base": base.label, "max_tokens": settings.sparse_tokens,
-                                         "error": f"out of memory with the base model loaded beside it ({err}); "
-                                                  "rerun with --sparse-tokens 0 to skip"}
-    if bon:  # KL(trained ‖ base) on the trained model's samples (eval/bon_frontier.py)
-        import gc
-
-        from anabranch.eval.bon_frontier import kl_to_base
-
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            entry["kl_to_base"] = kl_to_base(cfg, base, model, tokenizer, sampled, settings.temperature, device)
-        except torch.OutOfMemoryError as err:  # the entry's other results are kept
-            entry["kl_to_base"] = {"error": f"out of memory with the base model loaded beside it ({err})"}
+        entry.update(compare_with_base(cfg, base, model, tokenizer, sampled, settings, device))
     del model
     return entry, high
 
@@ -307,6 +287,9 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
     settings.check()
     if not models:
         raise ConfigError("name at least one model to evaluate")
+    if settings.bon_frontier and len(models) < 2:  # the first model is the base the KL is measured to
+        raise ConfigError("--bon-frontier needs at least two models: the first is the base whose best-of-n "
+                          f"frontier the later ones are placed on; got {len(models)}")
     specs = [resolve_model(m) for m in models]
     labels = [s.label for s in specs]
     for i, s in enumerate(specs):  # the same folder name twice: make the labels differ

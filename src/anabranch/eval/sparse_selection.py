@@ -122,7 +122,7 @@ def summarize(stats: dict[str, torch.Tensor], sequences: int) -> dict:
     }
 
 
-def _batch(seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def pad_batch(seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """[prompts left-padded | responses right-padded]: ids, attention mask, counted mask [B, R], R."""
     p = max(len(s.prompt) for s in seqs)
     r = max(len(s.response) for s in seqs)
@@ -158,7 +158,7 @@ def measure(trained, base, sequences: list[Sequence], chunk: int = 4, rows: int 
     device = next(trained.parameters()).device
     parts: list[dict] = []
     for start in range(0, len(sequences), chunk):
-        ids, mask, counted, r = _batch(sequences[start:start + chunk], device)
+        ids, mask, counted, r = pad_batch(sequences[start:start + chunk], device)
         t_rows = _position_logits(trained, ids, mask, r, counted)
         b_rows = _position_logits(base, ids, mask, r, counted)
         n = int(counted.sum())
@@ -171,30 +171,13 @@ def measure(trained, base, sequences: list[Sequence], chunk: int = 4, rows: int 
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def against_base(cfg, base_spec, trained, tokenizer, sequences: list[Sequence], max_tokens: int, device) -> dict:
-    """Load the base model named by ``base_spec`` next to the (loaded) ``trained`` model and compare
-    them on the trained model's completions. An entry with ``error`` when the two cannot be compared."""
-    from anabranch.models.loading import load_model, load_tokenizer
-
-    out = {"base": base_spec.label, "max_tokens": max_tokens}
-    if not cfg.model.tokenizer:  # each model has its own tokenizer: the ids must mean the same tokens
-        base_tok = load_tokenizer(dataclasses.replace(cfg.model, path=base_spec.path))
-        if base_tok.get_vocab() != tokenizer.get_vocab():
-            return {**out, "error": "the base and trained tokenizers differ, so their next-token "
-                                    "distributions cannot be compared position by position"}
-    base = load_model(dataclasses.replace(cfg.model, path=base_spec.path), device, trainable=False)
-    try:
-        vb, vt = _vocab_size(base), _vocab_size(trained)
-        if vb != vt:
-            return {**out, "error": f"the base model's vocabulary has {vb} entries and the trained model's {vt}"}
-        kept, capped = pick(sequences, max_tokens)
-        return {**out, "capped": capped, **summarize(measure(trained, base, kept), len(kept))}
-    finally:
-        del base
-
-
-def _vocab_size(model) -> int:
-    return getattr(model.get_output_embeddings(), "out_features", None) or model.config.vocab_size
+def against_base(base_label: str, base, trained, sequences: list[Sequence], max_tokens: int) -> dict:
+    """The JSON entry comparing the (loaded) ``trained`` and ``base`` models on the trained model's
+    completions, at most ``max_tokens`` positions. Loading the base beside it and checking that the
+    two can be compared is :func:`anabranch.eval.beside_base.load_comparable_base`'s job."""
+    kept, capped = pick(sequences, max_tokens)
+    return {"base": base_label, "max_tokens": max_tokens, "capped": capped,
+            **summarize(measure(trained, base, kept), len(kept))}
 
 
 def summary_line(label: str, sel: dict) -> str:

@@ -12,7 +12,11 @@ The turn-decayed success term rewards solving early; the repetition penalty puni
 same (wrong) answer again after the feedback. A correct first attempt gets 1; right at the second
 0.5; never right with the same answer twice in two attempts −0.25.
 
-Correctness is the ``math_verify`` check (:func:`anabranch.rewards.math_answer.is_equivalent`); an
+Not a correctness reward (an episode solved at attempt 2 gets 0.5, not full credit): with it,
+``rollout.retry_turns`` >= 2 (with one attempt it would be a plain correctness reward) and ``math_verify``
+as the first correctness reward are required at config load (:func:`anabranch.rollout.retry_turns.check_config`).
+
+An attempt's correctness is the ``math_verify`` check (:func:`anabranch.rewards.math_answer.is_equivalent`); an
 attempt's answer for E is :func:`anabranch.rewards.extract.extract_answer` with whitespace removed and
 lowercased (the authors' "minimal normalization": 1/2 and 0.5 are distinct answers).
 

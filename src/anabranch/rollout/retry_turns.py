@@ -26,6 +26,11 @@ task row that produced the prompt) with the check the ``math_verify`` reward use
 prompts) and greedy calls (evaluation) get one attempt, so held-out accuracy stays single-turn and
 comparable with runs without retries. The reward of the episode is :mod:`anabranch.rewards.retry_reward`.
 
+The trainer's right/wrong is ``math_verify`` on the whole transcript (required by :func:`check_config`):
+its last answer, which is the solving attempt's because an episode stops at its first correct attempt.
+Refused at config load: tools, CURE, Guide, scaffolding and SRPO (see :func:`check_config`); before the
+model loads: training rows without an answer or one prompt text with two answers (:func:`check_data`).
+
 Assumed (not stated in what we could read): the feedback text is fixed ("Let's try again." from the
 paper's abstract; the authors' code samples from a pool of wordings such as "Incorrect. Please think
 again."); feedback that does not fit in ``rollout.max_new_tokens`` ends the episode.
@@ -173,9 +178,20 @@ class RetryTurnsBackend:
         )
 
 
+def _reward_names(cfg) -> list[str]:
+    return [f.name if hasattr(f, "name") else f.get("name") for f in cfg.reward.functions]
+
+
 def check_config(cfg) -> None:
-    """Combinations ``rollout.retry_turns`` cannot take, refused when the config is loaded."""
-    r = cfg.rollout
+    """Combinations ``rollout.retry_turns`` cannot take, refused when the config is loaded (called for
+    every config: the ``retry_turns`` reward without retry turns is refused too)."""
+    r, a, names = cfg.rollout, cfg.algorithm, _reward_names(cfg)
+    if r.retry_turns < 2:
+        if "retry_turns" in names:  # one attempt: γ^0·1[correct] − 0, a plain correctness reward in disguise
+            raise ConfigError(f"reward.functions: the retry_turns reward needs rollout.retry_turns >= 2 (got "
+                              f"{r.retry_turns}): with one attempt it is a plain correctness reward; set "
+                              "rollout.retry_turns=K or use the math_verify reward")
+        return
     if r.tools:
         raise ConfigError("rollout.retry_turns does not combine with rollout.tools: both insert non-policy turns "
                           "into the response; set rollout.tools=[] or rollout.retry_turns=0")
@@ -188,11 +204,55 @@ def check_config(cfg) -> None:
     if r.temperature == 0:
         raise ConfigError("rollout.temperature must be > 0 with rollout.retry_turns: greedy calls are evaluation "
                           "and get one attempt")
-    names = {f.name if hasattr(f, "name") else f.get("name") for f in cfg.reward.functions}
-    if not names & {"retry_turns", "math_verify"}:
-        raise ConfigError("rollout.retry_turns grades each attempt against the task's gold answer with math-verify: "
-                          "reward.functions needs retry_turns or math_verify (a task without gold answers, or one "
-                          "checked otherwise, cannot be retried)")
+    # Guide's and scaffolding's hinted prompts are new texts with no entry in the gold-answer table, so
+    # their samples would silently get one attempt.
+    for key, on in (("algorithm.guide.enabled", a.guide.enabled), ("algorithm.scaffold.enabled", a.scaffold.enabled)):
+        if on:
+            raise ConfigError(f"rollout.retry_turns does not combine with {key}=true: the hinted prompts are "
+                              "not training prompts, so their samples would get one attempt; set "
+                              f"{key}=false or rollout.retry_turns=0")
+    if a.srpo_coef > 0:  # SRPO's feedback would be built from whole episodes, earlier wrong attempts included
+        raise ConfigError("rollout.retry_turns does not combine with algorithm.srpo_coef > 0: SRPO's "
+                          "self-distillation feedback is built from whole responses, here multi-attempt episodes; "
+                          "set algorithm.srpo_coef=0 or rollout.retry_turns=0")
+    # The trainer's right/wrong (dynamic sampling, HPT, DARS, KDRL, accuracy) is the first correctness
+    # reward's full credit. The retry_turns reward gives 0.5 to an episode solved at attempt 2, so it
+    # cannot be that source; math_verify on the transcript reads its last answer, which is the solving
+    # attempt's, as the episode stops at its first correct attempt.
+    import anabranch.rewards  # noqa: F401 - the registrations
+    from anabranch.rewards.registry import REWARDS
+
+    first = next((n for n in names if n in REWARDS and REWARDS.meta(n).get("correctness")), None)
+    if first != "math_verify":
+        raise ConfigError("rollout.retry_turns grades each attempt with math-verify against the task's gold answer, "
+                          "and the trainer's right/wrong must be that check: reward.functions needs math_verify "
+                          "(weight 0 is fine) as its first correctness reward"
+                          + (f" (found {first!r} first)" if first else ""))
+
+
+def answer_table(cfg, rows: list, prompts: list[str]) -> dict[str, str]:
+    """The gold answer of each training prompt text; a ConfigError for a row without an answer, or for one
+    prompt text given two different answers (the table is keyed by the text the backend receives)."""
+    missing = sum(1 for r in rows if r.get("answer") in (None, ""))
+    if missing:
+        raise ConfigError(f"rollout.retry_turns needs a gold answer in every training row (task.answer_column="
+                          f"{cfg.task.answer_column!r}); {missing} of {len(rows)} rows have none")
+    answers: dict[str, str] = {}
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        gold = str(r["answer"]).strip()
+        if answers.setdefault(p, gold) != gold:
+            raise ConfigError(f"rollout.retry_turns grades attempts by the prompt's text, and training row {i + 1}'s "
+                              f"prompt is also an earlier row's with another answer ({answers[p]!r} vs {gold!r}): "
+                              "remove the conflicting duplicates from the task or set rollout.retry_turns=0")
+    return answers
+
+
+def check_data(cfg, tokenizer, rows: list, prompts: list[str]) -> None:
+    """Before the model loads: gold answers (:func:`answer_table`) and a chat template that keeps the
+    assistant's message (:func:`feedback_ids`). Nothing when ``rollout.retry_turns`` is 0 or 1."""
+    if cfg.rollout.retry_turns >= 2:
+        answer_table(cfg, rows, prompts)
+        feedback_ids(tokenizer, cfg.task.chat_template)
 
 
 def with_retry_turns(backend, tokenizer, cfg, rows: list, prompts: list[str]):
@@ -200,9 +260,5 @@ def with_retry_turns(backend, tokenizer, cfg, rows: list, prompts: list[str]):
     ``prompts``: the training rows and their prompts, whose gold answers grade the attempts."""
     if cfg.rollout.retry_turns < 2:
         return backend
-    missing = sum(1 for r in rows if r.get("answer") in (None, ""))
-    if missing:
-        raise ConfigError(f"rollout.retry_turns needs a gold answer in every training row (task.answer_column="
-                          f"{cfg.task.answer_column!r}); {missing} of {len(rows)} rows have none")
-    answers = {p: str(r["answer"]) for p, r in zip(prompts, rows)}
-    return RetryTurnsBackend(backend, tokenizer, cfg.rollout, answers, use_template=cfg.task.chat_template)
+    return RetryTurnsBackend(backend, tokenizer, cfg.rollout, answer_table(cfg, rows, prompts),
+                             use_template=cfg.task.chat_template)

@@ -17,6 +17,7 @@ from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.ppl_position import ppl_position_on, ppl_position_shaping
 from anabranch.algorithms.ppo_value import response_values
+from anabranch.algorithms.reasonmaxxer import gate_inputs
 from anabranch.algorithms.progrpo import answer_confidence, progrpo_advantages, progrpo_on, prompt_confidence
 from anabranch.algorithms.ucas import head_stats, ucas_advantages, ucas_on
 from anabranch.models.chunked_logprobs import supports_chunked_head
@@ -36,13 +37,15 @@ class AdvantageBatch:
 @torch.no_grad()
 def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, modules: dict | None = None,
                     values: bool = False, share_prefix: bool = False, micro_batch_tokens: int = 0,
-                    ucas_stats: dict | None = None):
+                    ucas_stats: dict | None = None, entropy_out: dict | None = None):
     """log π(response) and, when asked, the value head's V for every response token.
 
     Micro-batches of ``micro`` rows, or packed by ``micro_batch_tokens`` when > 0 (as the update's);
     with ``share_prefix`` (and a model that supports it) each group's prompt runs once. A dict
     ``ucas_stats`` receives UCAS's per-token self-certainty and raw sampled-token logit [B, R]
-    (algorithms/ucas.py), from the same pass's hidden states."""
+    (algorithms/ucas.py), from the same pass's hidden states. A dict ``entropy_out`` receives ``entropy``
+    [B, R], the full-vocabulary entropy at each response position (SRPO's teacher, trainer/srpo_step.py);
+    without it nothing more is computed."""
     share = share_prefix and supports_shared_prefix(model)
     device = next(model.parameters()).device
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
@@ -52,6 +55,7 @@ def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, mod
     lps = torch.zeros(ids.shape[0], width)
     vals = torch.zeros(ids.shape[0], width) if values else None
     want_stats = ucas_stats is not None
+    ents = torch.zeros(ids.shape[0], width) if entropy_out is not None else None
     if want_stats:
         if not supports_chunked_head(model):
             raise RuntimeError("algorithm.ucas needs the LM head as a plain linear layer on the last hidden states "
@@ -59,8 +63,11 @@ def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, mod
         certainty, raw_logit = torch.zeros(ids.shape[0], width), torch.zeros(ids.shape[0], width)
         head, prompt_width = model.get_output_embeddings(), rollout.prompt_ids.shape[1]
     for mb in plan:
-        fo = forward_micro_batch(model, mb, ids, mask, temperature, hidden=values or want_stats, share_prefix=share)
+        fo = forward_micro_batch(model, mb, ids, mask, temperature, hidden=values or want_stats, share_prefix=share,
+                                 entropy=ents is not None)
         lps[mb.rows] = fo.log_probs.float().cpu()
+        if ents is not None:
+            ents[mb.rows] = fo.entropy.float().cpu()
         if values:
             vals[mb.rows] = response_values(modules, fo.hidden, width).float().cpu()
         if want_stats:
@@ -70,6 +77,8 @@ def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, mod
             certainty[mb.rows], raw_logit[mb.rows] = s.cpu(), z.cpu()
     if want_stats:
         ucas_stats.update(certainty=certainty, raw_logit=raw_logit)
+    if ents is not None:
+        entropy_out["entropy"] = ents
     return lps, vals
 
 
@@ -99,9 +108,13 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     if "ref_log_prob" in needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
+        # ReasonMaxxer (algorithms/reasonmaxxer.py): the reference's entropies from the same pass give its gate.
+        ref_ent = {} if "ref_entropy" in needs else None
         pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature,
                                                  share_prefix=share_prompt_prefix,
-                                                 micro_batch_tokens=micro_batch_tokens)
+                                                 micro_batch_tokens=micro_batch_tokens, entropy_out=ref_ent)
+        if ref_ent is not None:
+            pre.update(gate_inputs(cfg, ref_ent["entropy"], mask))
 
     metrics: dict = {}
     token_rewards = token_level_rewards(rewards, mask)

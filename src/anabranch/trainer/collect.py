@@ -122,6 +122,10 @@ def collect_batch(c, sampler, cfg, dist=None, group_filter: StdFilter | None = N
     """``sampler.next(k)`` gives this rank's share of k prompts; ``dist``: a data-parallel run
     (:class:`~anabranch.trainer.distributed.Distributed` with several processes); ``group_filter``:
     RLPR's std filter (``algorithm.dynamic_sampling_filter=std``), whose state this step updates."""
+    if cfg.task.curation == "greedy_wrong" and not getattr(sampler, "greedy_filtered", False):
+        from anabranch.trainer.greedy_filter import collect_filtered  # SELF's online filter: wrong-greedy prompts only
+
+        return collect_filtered(c, sampler, cfg, dist, group_filter, step)
     want = cfg.rollout.prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
         return generate_round(c, sampler.next(want), cfg, step, dist=dist)

@@ -25,7 +25,7 @@ from anabranch.rewards import RewardSource, build_rewards
 from anabranch.rewards.compose import check_row_fields
 from anabranch.rollout import ROLLOUT_BACKENDS
 from anabranch.rollout.multi_turn import prompt_task, with_tools
-from anabranch.rollout.retry_turns import with_retry_turns
+from anabranch.rollout.retry_turns import check_data as check_retry_data, with_retry_turns
 from anabranch.rollout.tools import build_tools
 from anabranch.trainer.host_memory import keep_freed_host_memory
 from anabranch.trainer.kdrl_step import check_teacher_path, load_teacher
@@ -99,6 +99,7 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if cfg.task.mixture:  # each source's own instruction and system prompt (data/mixture.py)
         train_prompts = source_prompts(cfg, train_rows, train_prompts, tokenizer)
         eval_prompts = source_prompts(cfg, eval_rows, eval_prompts, tokenizer)
+    check_retry_data(cfg, tokenizer, train_rows, train_prompts)  # rollout.retry_turns: gold answers, before the model
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)

@@ -30,6 +30,11 @@ only problems solved at least once, the catalog's "solved with low likelihood");
 released runs' rollout.n). The paper also pairs the curation with a forward-KL term; that is not part
 of this module. An empty kept set is an error naming the keys to change (no silent fallback).
 
+The released code's online filter is ``task.curation=greedy_wrong`` (trainer/greedy_filter.py): every
+round's drawn prompts are decoded once greedily by the current policy and only the wrong ones are sampled;
+it has no pre-pass and no kept set (``Curation.create`` returns None, the curation_* keys are refused),
+and runs in one process only.
+
 Resume: the kept rows, every pre-sampled row's p̂ and the sampler's position are the sampler's
 checkpoint state, so a resumed run keeps its kept set (never re-estimated from resumed weights) and
 draws what the uninterrupted run would have.
@@ -45,7 +50,12 @@ from __future__ import annotations
 
 from anabranch.config import Config, ConfigError, TaskConfig
 
-CURATIONS = ("none", "low_likelihood")
+CURATIONS = ("none", "low_likelihood", "greedy_wrong")
+# Each rank would keep a different number of wrong-greedy prompts, so ranks would train on unequal batches
+# and the sampler draws of an all-correct redraw would diverge; this is not checked, so it is refused.
+ONE_PROCESS = ("task.curation=greedy_wrong runs in one process only (distributed.num_processes={n}): each rank "
+                "would keep a different number of prompts whose greedy answer is wrong; launch one process or "
+                "set task.curation=low_likelihood")
 PREPASS_SEED_OFFSET = 3571      # pre-pass generation seed: trainer.seed + this (apart from pairing's and DPH's)
 ORDER_SEED_BASE = 7_777_771     # order of the kept rows per pass: apart from PromptSampler's seed + epoch
 
@@ -65,23 +75,35 @@ def check_curation(t: TaskConfig) -> None:
             raise ConfigError(f"config key 'task.{key}' {why} (got {getattr(t, key)!r})")
     if t.curation == "none":
         return
+    if t.curation == "greedy_wrong":  # the online filter (trainer/greedy_filter.py) has no pre-pass
+        default = TaskConfig.__dataclass_fields__
+        for key in ("curation_samples", "curation_prompts", "curation_min_rate", "curation_max_rate"):
+            if getattr(t, key) != default[key].default:
+                raise ConfigError(f"config key 'task.{key}' has no effect with task.curation=greedy_wrong (got "
+                                  f"{getattr(t, key)!r}): the online filter keeps a prompt when the current "
+                                  "policy's one greedy answer is wrong, with no pre-pass; leave it at its default "
+                                  "or set task.curation=low_likelihood")
     n = t.curation_samples
     # Some rate k/n of n samples must fall in [min, max], or no prompt can ever be kept.
-    if not any(t.curation_min_rate - 1e-9 <= k / n <= t.curation_max_rate + 1e-9 for k in range(n + 1)):
+    if t.curation == "low_likelihood" and not any(t.curation_min_rate - 1e-9 <= k / n <= t.curation_max_rate + 1e-9 for k in range(n + 1)):
         raise ConfigError(f"config keys 'task.curation_min_rate'={t.curation_min_rate} and 'task.curation_max_rate'="
                           f"{t.curation_max_rate}: no success rate k/{n} of task.curation_samples={n} samples lies "
                           "between them, so no prompt could be kept; widen them or change task.curation_samples")
     for key, on in (("pairing", t.pairing), ("mixture", bool(t.mixture)), ("curriculum", t.curriculum != "none")):
         if on:
+            what = ("curation restricts training to its kept prompts and replaces the run's prompt sampler, which "
+                    f"task.{key} also replaces" if t.curation == "low_likelihood" else "online filter drops prompts "
+                    f"from each draw, which task.{key}'s sampler (its pairs, per-task weights) is not built for")
             raise ConfigError(f"config key 'task.curation'={t.curation} cannot be combined with task.{key}: the "
-                              "curation restricts training to its kept prompts and replaces the run's prompt "
-                              f"sampler, which task.{key} also replaces; use one of them")
+                              f"{what}; use one of them")
 
 
 def check_curation_config(cfg: Config) -> None:
     """The cross-section refusals (before any model loads, and again in ``create``)."""
+    if cfg.task.curation == "greedy_wrong" and cfg.distributed.num_processes > 1:
+        raise ConfigError(ONE_PROCESS.format(n=cfg.distributed.num_processes))
     d = cfg.algorithm.dph
-    if cfg.task.curation != "none" and d.coef > 0 and d.exclude_from_rl:
+    if cfg.task.curation == "low_likelihood" and d.coef > 0 and d.exclude_from_rl:
         raise ConfigError(f"task.curation={cfg.task.curation} with algorithm.dph.exclude_from_rl: DPH-RL's own "
                           "pre-pass (other samples) would drop from RL prompts the curation kept, so the trained "
                           "prompts would not be the kept set of curation.json; set algorithm.dph.exclude_from_rl=false "
@@ -171,6 +193,8 @@ class Curation:
         if cfg.task.curation == "none":
             return None
         check_curation_config(cfg)
+        if cfg.task.curation == "greedy_wrong":  # filtered per round in collect_batch: no kept set, no pre-pass
+            return None
         return cls(cfg, dist)
 
     def prepare(self, c, start: int) -> dict:

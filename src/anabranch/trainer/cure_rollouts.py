@@ -29,7 +29,10 @@ recorded sampler log-probs (EAD's, when given) are 0 there, so they are exactly 
 the authors' verl reward decodes the continuation only — the same for answer-at-the-end rewards);
 the continuation's budget is ``max_new_tokens − t`` so a branch is no longer than an original (the
 authors gave it the full response budget, the prefix counting against their prompt budget); entropies
-are at ``rollout.temperature``, the sampled distribution (the hf sampler does not record them).
+are the trained policy's, π at ``rollout.temperature`` (the distribution whose entropy collapse CURE
+prevents; the hf sampler does not record them). With ``rollout.temperature_schedule=ead`` the sampler
+draws at EAD's annealed τ_t instead, so they are *not* the sampled distribution's entropies there; the
+branches' own sampling does follow EAD (their positions continue the original's, ``continue_ids``).
 """
 
 from __future__ import annotations
@@ -77,26 +80,54 @@ def critical_positions(scores: torch.Tensor, eligible: torch.Tensor, top_k: int,
 
 @torch.no_grad()
 def token_entropies(model, rollout: Rollout, micro_batch_size: int, temperature: float,
-                    share_prefix: bool = True) -> torch.Tensor:
+                    share_prefix: bool = True, micro_batch_tokens: int = 0) -> torch.Tensor:
     """[B, R] H(π(· | prompt, response_{<t})) at each response position, 0 past the response: one
-    no-grad forward of the policy in eval mode (as it samples)."""
-    from anabranch.models.logprobs import response_forward
+    no-grad forward of the policy in eval mode (as it samples).
 
-    r_len = rollout.response_ids.shape[1]
+    Planned as the no-grad passes before the update (advantage_pass.rollout_forward): micro-batches of
+    ``micro_batch_size`` rows, or packed by ``micro_batch_tokens`` when > 0, each group's prompt once with
+    ``share_prefix``; the head's entropy is taken a few rows at a time (models/chunked_logprobs.py), so
+    no micro-batch holds its full-vocabulary logits at once. On a CUDA out-of-memory error the pass runs
+    again in micro-batches of half the largest one's computed tokens (as the update's ``oom_retry``),
+    until no micro-batch can be made smaller."""
+    from anabranch.models.shared_prefix import supports_shared_prefix
+    from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
+
+    share = share_prefix and supports_shared_prefix(model)
     device = next(model.parameters()).device
     temp = temperature if temperature > 0 else 1.0
+    ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
+    groups = rollout.group_index if share else None
+
+    def plan(budget: int):
+        return plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, budget,
+                                  group_index=groups, share_prefix=share)
+
+    def largest(mbs) -> int:
+        return max(mb.computed_tokens(rollout.group_index, share) for mb in mbs)
+
+    mbs = plan(micro_batch_tokens)
     was_training = model.training
     model.eval()
-    out = []
     try:
-        for s in range(0, rollout.response_ids.shape[0], micro_batch_size):
-            ids = rollout.input_ids[s:s + micro_batch_size].to(device)
-            mask = rollout.attention_mask[s:s + micro_batch_size].to(device)
-            fwd = response_forward(model, ids, mask, r_len, temp, entropy=True, share_prefix=share_prefix)
-            out.append(fwd.entropy.float().cpu())
+        while True:
+            try:
+                out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
+                for mb in mbs:
+                    fo = forward_micro_batch(model, mb, ids, mask, temp, entropy=True, share_prefix=share)
+                    out[mb.rows] = fo.entropy.float().cpu()
+                break
+            except torch.cuda.OutOfMemoryError:
+                smaller = plan(max(largest(mbs) // 2, 1))
+                if largest(smaller) >= largest(mbs):  # single rows (or whole shared groups): nothing to split
+                    raise
+            # Outside the except block the failed attempt's tensors are released: free them, then retry.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            mbs = smaller
     finally:
         model.train(was_training)
-    return torch.cat(out) * rollout.response_mask
+    return out * rollout.response_mask
 
 
 def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
@@ -183,8 +214,14 @@ def cure_generate(c, prompts: list[str], cfg) -> Rollout:
     eligible = eligible_tokens(first.response_ids, first.response_mask, c.tokenizer, r.cure_min_token_chars)
     ent = None
     if r.cure_selection == "entropy":
+        from anabranch.trainer.microbatch import resolve_micro_batch_tokens
+
+        # The token budget the update's no-grad passes use (trainer.micro_batch_tokens; auto: the CPU's, or
+        # rows of micro_batch_size on a GPU, as those passes before their first measured budget).
+        tokens = resolve_micro_batch_tokens(cfg.trainer.micro_batch_tokens, next(c.model.parameters()).device,
+                                            c.model.config.vocab_size)
         ent = token_entropies(c.model, first, cfg.trainer.micro_batch_size, r.temperature,
-                              cfg.trainer.share_prompt_prefix)
+                              cfg.trainer.share_prompt_prefix, tokens)
         scores = ent
     else:
         scores = torch.rand(first.response_ids.shape)
@@ -221,8 +258,10 @@ def check_config(cfg) -> None:
         (r.n == n_cure, "rollout.n", f"must be rollout.cure_originals·(1 + rollout.cure_branches) = {n_cure} with "
          "rollout.extra_rollouts=cure: a group is the originals and their branches in stage 1 and rollout.n "
          "plain samples in stage 2, the same size (the paper: 4·(1 + 3) = 16)"),
-        (r.backend == "hf", "rollout.backend", "must be hf with rollout.extra_rollouts=cure: branches continue "
-         "token prefixes of the responses with the hf sampler (vLLM's backend takes prompt texts)"),
+        (r.backend == "hf", "rollout.backend", "must be hf with rollout.extra_rollouts=cure: CURE is implemented "
+         "and tested with the hf sampler only; with vLLM its critical tokens would come from the training model's "
+         "entropy forward while another engine samples, and the branches' engine log-probs (placed after an "
+         "untrained prefix, the layout TIS and the mismatch metrics read) are not verified"),
         (not r.tools, "rollout.tools", "must be empty with rollout.extra_rollouts=cure: a multi-turn response "
          "holds tool outputs, which are not the policy's tokens and cannot be a branch's prefix"),
         (getattr(r, "retry_turns", 0) <= 1, "rollout.retry_turns", "must be 0 or 1 with rollout.extra_rollouts=cure: "

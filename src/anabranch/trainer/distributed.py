@@ -131,6 +131,10 @@ class Distributed:
         """Wrap the policy and optimizer (``accelerator.prepare``); the rollout backend keeps the plain model."""
         if self.accelerator is None:
             return
+        if self.world_size > 1 and c.cfg.task.curation == "greedy_wrong":  # a launch config.yaml did not announce
+            from anabranch.trainer.curation import ONE_PROCESS
+
+            raise ConfigError(ONE_PROCESS.format(n=self.world_size))
         self._check_engine(c.cfg)
         self.train_model, c.optimizer = self.accelerator.prepare(c.model, c.optimizer)
         self.check_sharded(c)

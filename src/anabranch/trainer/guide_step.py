@@ -26,7 +26,7 @@ from anabranch.rewards.compose import discard_reward_observations
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
 
 
-class _HintedPrompts:
+class HintedPrompts:
     """``c`` (the trainer's components) seen with other training prompts and rows, so that
     :func:`~anabranch.trainer.collect.generate_scored` generates and scores the hinted prompts as it
     does the step's own (same backend, rewards, overlong shaping)."""
@@ -87,7 +87,7 @@ class Guide:
             prompts = [hinted_prompt(batch.rollout.prompts[g], question_text(r), hint_text(r, self.g.hint_template))
                        for g, r in zip(failed, g_rows)]
             m = self.g.num_samples or self.cfg.rollout.n
-            guided = generate_scored(_HintedPrompts(c, prompts, g_rows), list(range(len(failed))), self.cfg, step, n=m)
+            guided = generate_scored(HintedPrompts(c, prompts, g_rows), list(range(len(failed))), self.cfg, step, n=m)
             # Hinted answers are not the policy's own on these prompts: OLR's histories and LASER-D's length
             # statistics (stateful rewards) must not learn from them.
             discard_reward_observations(c.rewards)

@@ -13,6 +13,7 @@ from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.dsdr import apply_dsdr, with_dsdr
 from anabranch.algorithms.overlong import filter_overlong
 from anabranch.algorithms.scaffold import check_run as check_scaffold_run
+from anabranch.algorithms.srpo import check_srpo_run
 from anabranch.config import Config
 from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
@@ -70,6 +71,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
     check_scaffold_run(cfg)  # GHPO scaffolding's backend/tools/pairing: refused before any model loads
+    check_srpo_run(cfg)  # SRPO with rollout.retry_turns: refused before any model loads
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -201,7 +203,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
             kd_step = None if kdrl is None else kdrl.step(step, batch, rollout, c.rewards, micro_tokens)
             # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term
-            sr_step = None if srpo is None else srpo.step(c.model, batch, rollout, c.rewards, micro_tokens)
+            sr_step = None if srpo is None else srpo.step(c.model, batch, rollout, c.rewards, micro_tokens,
+                                                          trained_mask=train_rollout.trained_mask)
             precomputed = with_dsdr(adv.precomputed, dsdr_weight)
             precomputed = precomputed if kd_step is None else kd_step.precomputed(precomputed)
             precomputed = precomputed if sr_step is None else sr_step.precomputed(precomputed)

@@ -25,7 +25,7 @@ from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
-from anabranch.trainer.guide_step import _HintedPrompts
+from anabranch.trainer.guide_step import HintedPrompts
 
 
 class Scaffold:
@@ -68,7 +68,10 @@ class Scaffold:
             if not pending:
                 break
             prompts, rows = self.hinted_prompts(batch, pending, ratio)
-            hinted = generate_scored(_HintedPrompts(c, prompts, rows), list(range(len(pending))), self.cfg, step)
+            # n given: plain rollout.n samples of each hinted prompt, also in CURE's stage 1 (whose branching
+            # applies to the step's own prompts only; a group of n plain samples keeps its size).
+            hinted = generate_scored(HintedPrompts(c, prompts, rows), list(range(len(pending))), self.cfg, step,
+                                     n=self.cfg.rollout.n)
             # Hinted answers are not the policy's own on these prompts: OLR's histories and LASER-D's length
             # statistics (stateful rewards) must not learn from them.
             discard_reward_observations(c.rewards)

@@ -5,12 +5,16 @@ Each step, before the update, :meth:`SRPO.step`
 1. marks each sample correct or failed (``eval.accuracy.batch_correct``, as KDRL and Guide do);
 2. for each failed sample builds the self-teacher's context, token ids
    ``prompt + feedback + response``, where feedback is ``algorithm.srpo_feedback_template`` with
-   ``{solution}`` = the first correct sibling of its group (its response tokens, EOS dropped), else the
+   ``{solution}`` = the first correct sibling of its group (its response tokens, without a final stop
+   token: any of the rollout backend's ``eos_ids``, e.g. ``<|im_end|>`` or ``<|endoftext|>``), else the
    dataset row's reference answer (``row["answer"]``); a failed sample with neither is not distilled
-   and keeps its GRPO advantage;
-3. runs the current policy once over those contexts without gradient, only on the failed rows, in
-   the update's micro-batches (the response tokens' log-probs and the full-vocabulary entropies come
-   from models/logprobs.py's chunked head: no float copy of a whole batch's vocabulary logits);
+   and keeps its GRPO advantage, and so does one whose tokens the update does not train (DAPO's
+   overlong filter emptied its loss mask);
+3. runs the current policy once over those contexts without gradient, only on the distilled rows, in
+   micro-batches planned over the (longer) teacher contexts, by ``trainer.micro_batch_size`` rows or
+   the update's token budget, without prompt-prefix sharing (advantage_pass.rollout_forward; the
+   full-vocabulary entropies come from models/logprobs.py's chunked head: no float copy of a whole
+   batch's vocabulary logits);
 4. returns the GRPO advantages with the distilled rows zeroed (they leave the GRPO term) and the
    per-token distillation weights β·ω for trainer/step.py, which adds ``distill_loss`` on the same
    forward as the policy loss (no second forward of the student; its gradient joins the one backward).
@@ -18,8 +22,9 @@ Each step, before the update, :meth:`SRPO.step`
 The teacher is π_θ before this step's update (= π_old), SDPO's "current model" at sampling time.
 ASSUMED: the feedback is placed after the prompt's chat template, inside the assistant turn, before
 the response (the prompt text is not re-templated); see algorithms/srpo.py for the loss's assumptions.
-Refused: FSDP / DeepSpeed ZeRO-3 (the teacher pass calls the unsharded model outside the update),
-tool rollouts (a response with tool outputs inside is not one policy continuation to distil).
+Refused here: FSDP / DeepSpeed ZeRO-3 (the teacher pass calls the unsharded model outside the update),
+tool rollouts (a response with tool outputs inside is not one policy continuation to distil); HPT,
+Guide and rollout.retry_turns >= 2 are refused earlier (algorithms/srpo.py).
 """
 
 from __future__ import annotations
@@ -32,23 +37,26 @@ from anabranch.algorithms.srpo import entropy_weights, route_advantages, srpo_on
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rollout.base import Rollout, left_padded
+from anabranch.trainer.advantage_pass import rollout_forward
 
 
 def feedback_text(template: str, solution: str) -> str:
     return template.replace("{solution}", solution)
 
 
-def teacher_contexts(rollout: Rollout, correct: torch.Tensor, answers: list, tokenizer,
-                     template: str) -> tuple[list[int], list[list[int]], list[str]]:
+def teacher_contexts(rollout: Rollout, correct: torch.Tensor, answers: list, tokenizer, template: str,
+                     stop_ids, trained: torch.Tensor | None = None) -> tuple[list[int], list[list[int]], list[str]]:
     """(failed rows that get a teacher, their teacher prompts ``prompt + feedback`` as token ids, the
-    feedback kind of each: ``sibling`` or ``answer``). ``answers``: [B] reference answer or None."""
-    eos = tokenizer.eos_token_id
+    feedback kind of each: ``sibling`` or ``answer``). ``answers``: [B] reference answer or None;
+    ``stop_ids``: the backend's end-of-turn ids, dropped from the end of a sibling's response;
+    ``trained``: [B, R] the update's trained mask, rows without a trained token get no teacher."""
+    stops = {int(t) for t in stop_ids}
     group = rollout.group_index.tolist()
     lengths = rollout.response_mask.sum(-1).tolist()
 
     def response_tokens(i: int) -> list[int]:
         ids = rollout.response_ids[i, :int(lengths[i])].tolist()
-        return ids[:-1] if ids and ids[-1] == eos else ids  # the solution text, not its end of turn
+        return ids[:-1] if ids and ids[-1] in stops else ids  # the solution text, not its end of turn
 
     first_correct: dict[int, int] = {}
     for i, g in enumerate(group):
@@ -59,7 +67,7 @@ def teacher_contexts(rollout: Rollout, correct: torch.Tensor, answers: list, tok
     after = tokenizer.encode(split[1], add_special_tokens=False)
     rows, contexts, kinds = [], [], []
     for i, g in enumerate(group):
-        if bool(correct[i]):
+        if bool(correct[i]) or (trained is not None and not bool(trained[i].any())):
             continue
         if g in first_correct:
             solution, kind = response_tokens(first_correct[g]), "sibling"
@@ -83,22 +91,6 @@ def teacher_rollout(rollout: Rollout, rows: list[int], contexts: list[list[int]]
                    prompts=[], completions=[], truncated=rollout.truncated[idx])
 
 
-@torch.no_grad()
-def teacher_forward(model, trollout: Rollout, micro: int, temperature: float,
-                    micro_batch_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, R] log π_T of the response tokens and [n, R] the teacher's entropy, on CPU."""
-    from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
-
-    device = next(model.parameters()).device
-    ids, mask = trollout.input_ids.to(device), trollout.attention_mask.to(device)
-    n, width = trollout.response_ids.shape
-    lps, ents = torch.zeros(n, width), torch.zeros(n, width)
-    for mb in plan_micro_batches(trollout.prompt_mask, trollout.response_mask, micro, micro_batch_tokens):
-        fo = forward_micro_batch(model, mb, ids, mask, temperature, entropy=True)
-        lps[mb.rows], ents[mb.rows] = fo.log_probs.float().cpu(), fo.entropy.float().cpu()
-    return lps, ents
-
-
 @dataclasses.dataclass
 class SRPOStep:
     """One step's routing: distilled rows [B] bool, teacher log-probs [B, R], weights β·ω [B, R], metrics."""
@@ -120,8 +112,11 @@ class SRPOStep:
 class SRPO:
     """What the training loop holds for SRPO: the config and tokenizer; :meth:`step` runs each step."""
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, cfg: Config, tokenizer, stop_ids=()):
+        # The backend's stop ids (hf/vllm ``eos_ids``: the tokenizer's EOS and the generation config's, e.g.
+        # <|im_end|> beside <|endoftext|>); a sibling ends with any of them.
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.stop_ids = sorted({*stop_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
 
     @classmethod
     def create(cls, cfg: Config, dist, c) -> "SRPO | None":
@@ -135,25 +130,34 @@ class SRPO:
         if cfg.rollout.tools:
             raise ConfigError("algorithm.srpo_coef > 0 with rollout.tools: a response with tool outputs inside is not "
                               "one continuation of the policy to distil; set algorithm.srpo_coef=0 or rollout.tools=[]")
-        return cls(cfg, c.tokenizer)
+        return cls(cfg, c.tokenizer, getattr(getattr(c, "backend", None), "eos_ids", None) or ())
 
-    def step(self, model, batch, rollout: Rollout, sources, micro_batch_tokens: int = 0) -> SRPOStep:
-        """Routing and the self-teacher's log-probs for ``rollout`` (the scored ``batch``'s)."""
+    def step(self, model, batch, rollout: Rollout, sources, micro_batch_tokens: int = 0,
+             trained_mask: torch.Tensor | None = None) -> SRPOStep:
+        """Routing and the self-teacher's log-probs for ``rollout`` (the scored ``batch``'s).
+
+        ``trained_mask``: [B, R] the tokens the update trains (train_rollout's, after DAPO's overlong
+        filter); ω is normalized over it on the distilled rows. Default: ``rollout.trained_mask``."""
+        trained = rollout.trained_mask if trained_mask is None else trained_mask
         a, t = self.cfg.algorithm, self.cfg.trainer
         correct = torch.tensor(batch_correct(batch, sources), dtype=torch.bool)
         answers = [r.get("answer") if isinstance(r, dict) else None for r in batch.rows]
-        rows, contexts, kinds = teacher_contexts(rollout, correct, answers, self.tokenizer, a.srpo_feedback_template)
+        rows, contexts, kinds = teacher_contexts(rollout, correct, answers, self.tokenizer, a.srpo_feedback_template,
+                                                 self.stop_ids, trained)
         b, width = rollout.response_ids.shape
         distilled = torch.zeros(b, dtype=torch.bool)
         teacher_lp, weight = torch.zeros(b, width), torch.zeros(b, width)
         if rows:
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
             tr = teacher_rollout(rollout, rows, contexts, pad)
-            lp, ent = teacher_forward(model, tr, t.micro_batch_size, self.cfg.rollout.temperature, micro_batch_tokens)
+            out: dict = {}
+            lp, _ = rollout_forward(model, tr, t.micro_batch_size, self.cfg.rollout.temperature,
+                                    micro_batch_tokens=micro_batch_tokens, entropy_out=out)
+            ent = out["entropy"]
             idx = torch.tensor(rows, dtype=torch.long)
             distilled[idx] = True
             teacher_lp[idx] = lp
-            m = rollout.trained_mask[idx].float()
+            m = trained[idx].float()  # the tokens actually distilled
             weight[idx] = a.srpo_coef * entropy_weights(ent, m, a.srpo_entropy_weight)
             h_mean = float((ent * m).sum() / m.sum().clamp(min=1))
         else:

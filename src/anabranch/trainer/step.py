@@ -143,7 +143,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
         old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
-    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
+    extras = {k: v.to(device) for k, v in pre.items()
+              if k in ("values", "returns", "old_vocab_mean", "reasonmaxxer_gate")}
     # DSDR's local term (algorithms/dsdr.py): per-row weights γ_i/N_C from the rollout's scoring.
     dsdr_w = pre.get("dsdr_weight") if cfg.dsdr_local_coef != 0 else None
     # KDRL (algorithms/kdrl.py, trainer/kdrl_step.py): the teacher's log-probs and each row's β_s·w_i.

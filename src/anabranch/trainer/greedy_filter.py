@@ -1,0 +1,109 @@
+"""Online low-likelihood filter: train only on the prompts the *current* policy answers wrong greedily.
+
+Nguyen, La, Nguyen, Chawla, Nguyen, Doan (2025), "The Reasoning Boundary Paradox: How Reinforcement
+Learning Constrains Language Models" (arXiv 2510.02230), SELF as in the authors' released trainer
+(``task.curation=greedy_wrong``; the π_0 pre-pass reading is ``task.curation=low_likelihood``,
+trainer/curation.py). For every generation round's drawn prompts Q:
+
+    greedy   y*(q) = argmax decode of π_θ(· | q)          one greedy completion per prompt, current weights
+    score    r*(q) = the run's rewards on y*(q)           correct(q) = full credit on the reward that says
+                                                          right/wrong, else on the total (``batch_correct``)
+    keep     Q' = {q ∈ Q : not correct(q)}                only Q' is sampled (rollout.n each) and trained on
+
+What the released code does, and what is taken from it (read, not copied): its greedy pass is the
+rollout worker's generation with sampling switched off (``do_sample=False``), so the same prompt and
+response-length limits as the training samples; here ``backend.generate(prompts, 1, greedy=True)``
+with ``rollout.max_new_tokens``. Its test is "summed reward != 1"; here the project's full-credit test
+(the same one dynamic sampling and accuracy use). It does not refill: the batch shrinks to the wrong
+prompts (padded to a multiple of the GPUs by repeating rows), so a step trains on |Q'| <= prompts_per_step
+groups. A batch whose greedy answers are all right is skipped and the next batch drawn without counting
+a step; here the same happens as a redraw of ``prompts_per_step`` fresh prompts, at most
+``algorithm.max_sample_batches`` draws per round (assumed bound: the released loop has none, a run
+whose policy solves everything greedily must still end); if every draw is solved, the last draw is
+trained on as is and ``curation/greedy_all_correct`` is 1 for that step (a logged step, not a hang).
+With DAPO's dynamic sampling each of its rounds is filtered, so its rounds refill the batch.
+
+Greedy completions are not training samples: the stateful rewards (OLR's visits, LASER-D's length
+window) drop what the greedy scoring recorded (``discard_reward_observations``, as Guide does).
+One process only: ranks would keep different numbers of prompts (refused by ``check_curation_config``
+and ``Distributed.prepare``).
+
+Metrics per step: ``curation/greedy_wrong_frac`` (wrong greedy answers / prompts decoded greedily),
+``curation/kept_prompts`` (prompts sampled), ``curation/greedy_draws`` (greedy passes) and
+``curation/greedy_all_correct``.
+"""
+
+from __future__ import annotations
+
+from anabranch.eval.accuracy import batch_correct
+from anabranch.rewards.compose import discard_reward_observations
+
+
+class _GreedyBackend:
+    """The run's backend with every call turned into one greedy completion per prompt."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, prompts, n, **_):
+        return self.inner.generate(prompts, 1, greedy=True)
+
+
+class _GreedyComponents:
+    """The run's components (model, rewards, rows, ...) with the greedy backend in place of its own."""
+
+    def __init__(self, c):
+        self._c, self.backend = c, _GreedyBackend(c.backend)
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+def greedy_correct(c, idx: list[int], cfg, step: int | None = None) -> list[float]:
+    """1.0 / 0.0 per prompt of ``idx``: is the current policy's greedy answer fully correct?
+    Scored exactly as training samples are (``generate_scored``: reward fields, overlong shaping)."""
+    from anabranch.trainer.collect import generate_scored  # lazy: collect.py calls into this module
+
+    batch = generate_scored(_GreedyComponents(c), idx, cfg, step, n=1)
+    # A greedy answer is not a training sample: OLR / LASER-D must not learn from it.
+    discard_reward_observations(c.rewards)
+    return batch_correct(batch, c.rewards)
+
+
+class GreedyWrongSampler:
+    """Wraps the run's sampler: ``next(k)`` draws k prompts and returns those answered wrong greedily."""
+
+    greedy_filtered = True  # collect_batch: already filtered, do not wrap again
+
+    def __init__(self, c, inner, cfg, step: int | None = None):
+        self.c, self.inner, self.cfg, self.step = c, inner, cfg, step
+        self.max_draws = cfg.algorithm.max_sample_batches
+        self.decoded = self.wrong = self.kept = self.draws = self.all_correct = 0
+
+    def next(self, k: int) -> list[int]:
+        for _ in range(self.max_draws):
+            idx = self.inner.next(k)
+            flags = greedy_correct(self.c, idx, self.cfg, self.step)
+            keep = [i for i, ok in zip(idx, flags) if not ok]
+            self.draws, self.decoded, self.wrong = self.draws + 1, self.decoded + len(idx), self.wrong + len(keep)
+            if keep:
+                self.kept += len(keep)
+                return keep
+        # Every draw solved greedily: train on the last one as is (the step still runs and logs).
+        self.all_correct, self.kept = 1, self.kept + len(idx)
+        return idx
+
+    def metrics(self) -> dict:
+        return {"curation/greedy_wrong_frac": self.wrong / max(self.decoded, 1),
+                "curation/kept_prompts": float(self.kept), "curation/greedy_draws": float(self.draws),
+                "curation/greedy_all_correct": float(self.all_correct)}
+
+
+def collect_filtered(c, sampler, cfg, dist=None, group_filter=None, step: int | None = None):
+    """``collect_batch`` on the greedy-wrong prompts of each round, with the filter's metrics."""
+    from anabranch.trainer.collect import collect_batch
+
+    filtered = GreedyWrongSampler(c, sampler, cfg, step)
+    batch = collect_batch(c, filtered, cfg, dist, group_filter, step)
+    batch.metrics = {**batch.metrics, **filtered.metrics()}
+    return batch
