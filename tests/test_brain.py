@@ -140,8 +140,6 @@ def test_recipe_needs_and_config_errors():
         (["algorithm.name=brain", "algorithm.brain_beta=0"], r"algorithm\.brain_beta must be positive and finite"),
         (["algorithm.name=brain", "algorithm.brain_beta=-1"], r"algorithm\.brain_beta must be positive"),
         (["algorithm.name=brain", "algorithm.brain_beta=inf"], r"algorithm\.brain_beta must be positive and finite"),
-        (["algorithm.name=grpo", "algorithm.brain_beta=0.5"], r"'algorithm\.brain_beta' has no effect unless "
-                                                              r"algorithm\.loss=brain"),
         (["algorithm.name=brain", "algorithm.kl_coef=0.05"], r"algorithm\.kl_coef=0\.05.*algorithm\.brain_beta"),
         (["algorithm.name=brain", "algorithm.advantage=rloo"], r"algorithm\.advantage='rloo' is not supported for "
                                                                r"loss='brain'"),
@@ -151,6 +149,61 @@ def test_recipe_needs_and_config_errors():
         cfg = load_config(None, overrides)
         with pytest.raises(ConfigError, match=message):
             resolve_algorithm(cfg.algorithm)
+
+
+def test_gated_and_refused_at_load():
+    """brain_beta with another loss and CURE's branch rollouts are refused by load_config, naming the keys."""
+    with pytest.raises(ConfigError, match=r"'algorithm\.brain_beta' has no effect unless algorithm\.loss=brain"):
+        load_config(None, ["algorithm.name=grpo", "algorithm.brain_beta=0.5"])
+    cure = ["rollout.extra_rollouts=cure", "rollout.n=8", "rollout.cure_originals=2", "rollout.cure_branches=3"]
+    with pytest.raises(ConfigError, match=r"rollout\.extra_rollouts=cure is not supported for algorithm\.loss=brain"):
+        load_config(None, ["algorithm.name=brain", *cure])
+    load_config(None, ["algorithm.name=grpo", *cure])  # CURE itself stays available to other losses
+    load_config(None, ["algorithm.name=brain", "algorithm.brain_beta=0.5", "algorithm.entropy_coef=0.01"])
+
+
+def cross_entropy(pi, q, ref, r, beta=BETA):
+    """L_x = −Σ α log γ of one prompt, from sequence log-probs (plain Python)."""
+    alpha = softmax([ref[i] + r[i] / beta - q[i] for i in range(len(r))])
+    gamma = softmax([pi[i] - q[i] for i in range(len(r))])
+    return -sum(a * math.log(g) for a, g in zip(alpha, gamma)), alpha
+
+
+def test_unequal_groups_weight_each_prompt_by_its_size():
+    """Groups of 3 and 2 in one batch: the loss is Σ_g n_g·L_g / Σ_g n_g (the sequence mean), the metrics the plain
+    mean over prompts; each row's gradient is −(n_g/B)·(α_i − γ_i)."""
+    lp2, old2, ref2 = torch.tensor([[-0.3], [-1.1]]), torch.tensor([[-0.6], [-0.8]]), torch.tensor([[-0.2], [-1.4]])
+    r2 = [0.0, 1.0]
+    pad = torch.zeros(2, 1)
+    cat = [torch.cat([a, torch.cat([b, pad], -1)]) for a, b in ((LOG_PROB, lp2), (OLD, old2), (REF, ref2))]
+    mask = torch.cat([MASK, torch.tensor([[1.0, 0.0], [1.0, 0.0]])])
+    loss, metrics, grad = run(*cat, r=R + r2, groups=(0, 0, 0, 1, 1), mask=mask)
+    l0, a0 = cross_entropy(seq(LOG_PROB), seq(OLD), seq(REF), R)
+    l1, a1 = cross_entropy([-0.3, -1.1], [-0.6, -0.8], [-0.2, -1.4], r2)
+    assert abs((3 * l0 + 2 * l1) / 5 - (l0 + l1) / 2) > 0.01  # the two readings differ on these numbers
+    assert loss.item() == pytest.approx((3 * l0 + 2 * l1) / 5, rel=1e-6)
+    assert metrics["brain/cross_entropy"] == pytest.approx((l0 + l1) / 2, rel=1e-6)
+    g1 = softmax([-0.3 - -0.6, -1.1 - -0.8])
+    assert grad[3, 0].item() == pytest.approx(-(2 / 5) * (a1[0] - g1[0]), abs=1e-7)
+    assert grad[4, 0].item() == pytest.approx(-(2 / 5) * (a1[1] - g1[1]), abs=1e-7)
+
+
+def test_a_group_with_no_loss_row_stays_out_of_the_metrics():
+    """A second group whose rows are all masked out (overlong filter, HPT) leaves every per-prompt metric at the
+    live group's value: no 1/0 effective sample size, no zero cross-entropy pulling the mean down."""
+    _, alone, _ = run()
+    dead = torch.full((2, 2), -1.0)
+    cat = [torch.cat([x, dead]) for x in (LOG_PROB, OLD, REF)]
+    _, metrics, grad = run(*cat, r=R + [1.0, 0.0], groups=(0, 0, 0, 1, 1), mask=torch.cat([MASK, torch.zeros(2, 2)]))
+    l0, a0 = cross_entropy(seq(LOG_PROB), seq(OLD), seq(REF), R)
+    assert metrics["brain/alpha_ess"] == pytest.approx(1 / sum(a * a for a in a0), rel=1e-6)
+    assert metrics["brain/cross_entropy"] == pytest.approx(l0, rel=1e-6)
+    assert metrics["brain/alpha_max"] == pytest.approx(max(a0), rel=1e-6)
+    assert metrics["brain/self_norm_kl"] == pytest.approx(alone["brain/self_norm_kl"], rel=1e-6)
+    assert grad[3:].abs().sum().item() == 0.0
+    # Every group dead: finite zeros, not 1e300.
+    _, metrics, _ = run(r=R, mask=torch.zeros(3, 2))
+    assert all(math.isfinite(v) for v in metrics.values()) and metrics["brain/alpha_ess"] == 0.0
 
 
 def tv_distance(p, q):

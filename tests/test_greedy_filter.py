@@ -141,6 +141,30 @@ def test_dynamic_sampling_rounds_are_filtered_each():
     assert batch.metrics["dynamic_sampling/rounds"] == 2.0
 
 
+def test_dynamic_sampling_rounds_share_one_redraw_budget():
+    """Every greedy answer right, max_sample_batches=3: round 1 redraws twice (the step's whole budget of 3 − 1),
+    rounds 2 and 3 get their one pass each and train their draw as is: 5 greedy passes, not 3 per round (9)."""
+    c = components()
+    draws = [[0, 2], [3, 5], [2, 0], [5, 3], [0, 5], [2, 3], [3, 0], [5, 2], [0, 2]]
+    batch = collect_batch(c, Script(*draws), cfg_with(max_batches=3, dynamic_sampling=True), step=1)
+    greedy = [p for p, _, g in c.backend.calls if g]
+    assert greedy == [["p0", "p2"], ["p3", "p5"], ["p2", "p0"], ["p5", "p3"], ["p0", "p5"]]
+    sampled = [p for p, _, g in c.backend.calls if not g]
+    assert sampled == [["p2", "p0"], ["p5", "p3"], ["p0", "p5"]]  # each round's last draw, trained as is
+    m = batch.metrics
+    assert m["curation/greedy_draws"] == 5.0 and m["curation/greedy_all_correct"] == 1.0
+    assert m["dynamic_sampling/rounds"] == 3.0
+
+
+def test_greedy_time_is_logged_and_counted_as_generation(monkeypatch):
+    real = greedy_filter.greedy_correct
+    monkeypatch.setattr(greedy_filter, "greedy_correct", lambda *a, **k: (real(*a, **k)[0], 1.5))
+    c = components()
+    batch = collect_batch(c, Script([0, 2], [1, 4]), cfg_with(), step=1)  # two greedy passes of 1.5 s each
+    assert batch.metrics["time/greedy_s"] == 3.0
+    assert 3.0 <= batch.t_generate < 3.5  # the sampled generation (instant here) plus the greedy passes
+
+
 def test_off_by_default_no_greedy_pass():
     c = components()
     cfg = Config()
@@ -159,6 +183,8 @@ def test_off_by_default_no_greedy_pass():
     ({"curation_min_rate": 0.125}, "task.curation_min_rate"),
     ({"pairing": True}, "task.pairing"),
     ({"mixture": [{"name": "basic_arithmetic"}]}, "task.mixture"),
+    # A curriculum needs a mixture of >= 2 sources: the refusal names the curriculum, the key that was set last.
+    ({"curriculum": "dump", "mixture": [{"name": "basic_arithmetic"}, {"name": "chain_sum"}]}, "task.curriculum"),
 ])
 def test_keys_that_do_not_apply_are_refused(kw, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -185,9 +211,9 @@ def test_two_step_run_on_the_tiny_model(tiny_model_dir, write_jsonl, tmp_path, m
     real = greedy_filter.greedy_correct
 
     def spy(c, idx, cfg, step=None):
-        flags = real(c, idx, cfg, step)
+        flags, seconds = real(c, idx, cfg, step)
         seen.append(([c.train_rows[i]["question"] for i in idx], flags))
-        return flags
+        return flags, seconds
 
     monkeypatch.setattr(greedy_filter, "greedy_correct", spy)
     base = {"trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False,
@@ -200,6 +226,7 @@ def test_two_step_run_on_the_tiny_model(tiny_model_dir, write_jsonl, tmp_path, m
         assert all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "grad_norm")), m
         assert 0.0 <= m["curation/greedy_wrong_frac"] <= 1.0 and 1 <= m["curation/kept_prompts"] <= 4
     assert sum(m["curation/greedy_draws"] for m in res.history) == len(seen)
+    assert all(0 < m["time/greedy_s"] <= m["time/generate_s"] for m in res.history)
     flags = [f for _, fs in seen for f in fs]
     assert 0.0 in flags and 1.0 in flags  # the filter had something to drop and something to keep
     # Every trained question was drawn and answered wrong greedily (or is in a draw trained as is: all right).

@@ -1,7 +1,8 @@
 """ReasonMaxxer (Akgül et al. 2026, "Rethinking RL for LLM Reasoning: It's Sparse Policy Selection, Not Capability
 Learning", arXiv 2605.06241): the entropy gate and the labels by hand, the loss and its gradient by hand, gradient
 only at gated tokens, one step's direction, the reference entropies against a direct forward, refusals, and a
-short run on the tiny model."""
+short run on the tiny model; the gate and labels over the whole batch (micro-batch splits give the same
+gradient; the overlong filter's rows are left out of the gate), the unlikelihood's gradient at π ≈ 1."""
 
 import dataclasses
 import math
@@ -13,9 +14,11 @@ import torch
 from anabranch import load_config, train
 from anabranch.algorithms import resolve_algorithm
 from anabranch.algorithms.aggregation import aggregate
-from anabranch.algorithms.reasonmaxxer import contrast_labels, decision_gate, reasonmaxxer_loss
+from anabranch.algorithms.overlong import filter_overlong
+from anabranch.algorithms.reasonmaxxer import (contrast_labels, decision_gate, reasonmaxxer_loss,
+                                              reasonmaxxer_precompute)
 from anabranch.config import AlgorithmConfig, ConfigError
-from anabranch.trainer.step import LossContext
+from anabranch.trainer.step import LossContext, policy_update
 from test_train_e2e import digit_task, tiny_overrides
 
 
@@ -26,7 +29,7 @@ def cfg(**kw):
 
 def ctx(c, rewards, groups, gate):
     return LossContext(cfg=c, aggregate=partial(aggregate, mode="token-mean"), rewards=rewards, group_index=groups,
-                       extras={"reasonmaxxer_gate": gate})
+                       extras={"reasonmaxxer_gate": gate, "reasonmaxxer_label": contrast_labels(rewards, groups)})
 
 
 # Seven response tokens (one masked, whose entropy 9 must never be picked).
@@ -43,6 +46,18 @@ def test_gate_top_fraction_and_threshold_by_hand():
     # an absolute threshold of 1 nat: 2.0, 3.0, 1.5.
     assert torch.equal(decision_gate(ENT, MASK, 0.5, threshold=1.0),
                        torch.tensor([[0.0, 1, 0, 1], [1, 0, 0, 0]]))
+
+
+def test_one_top_fraction_helper_for_the_gate_and_the_forking_tokens():
+    from anabranch.algorithms.exploration import forking_token_mask
+
+    # 0.07·100 is 7.000000000000001 in floating point: still the top 7, not 8.
+    ent = torch.arange(100.0).reshape(10, 10)
+    gate = decision_gate(ent, torch.ones(10, 10), 0.07)
+    assert gate.sum() == 7 and torch.all(gate.flatten()[-7:] == 1)
+    assert torch.equal(forking_token_mask(ent, torch.ones(10, 10), 0.07), gate)
+    # ties with the k-th are kept: top 1 of [2, 2, 1] keeps both 2s
+    assert decision_gate(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.3).tolist() == [[1.0, 1.0, 0.0]]
 
 
 def test_labels_by_hand():
@@ -127,24 +142,29 @@ def test_reference_entropies_and_gate_match_a_direct_forward(tiny_model_dir):
     assert torch.allclose(out["entropy"] * mask, direct * mask, atol=1e-4)
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
     c = cfg(reasonmaxxer_top_frac=0.3)
-    adv = compute_advantages(resolve_algorithm(c), model, ro, rewards, micro_batch_size=4, temperature=1.0,
-                             ref_model=ref)
-    assert torch.equal(adv.precomputed["reasonmaxxer_gate"], decision_gate(direct, mask, 0.3))
-    # The default path computes no entropy and no gate.
+    algo = resolve_algorithm(c)
+    adv = compute_advantages(algo, model, ro, rewards, micro_batch_size=4, temperature=1.0, ref_model=ref)
+    assert torch.allclose(adv.precomputed["ref_entropy"] * mask, direct * mask, atol=1e-4)
+    hooked = algo.precompute(algo.cfg, adv.precomputed, mask, rewards, ro.group_index)
+    assert torch.equal(hooked["reasonmaxxer_gate"], decision_gate(adv.precomputed["ref_entropy"], mask, 0.3))
+    assert hooked["reasonmaxxer_label"].tolist() == [1, -1, 1, -1, 1, -1]
+    # The default path computes no entropy.
     base = compute_advantages(resolve_algorithm(AlgorithmConfig()), model, ro, rewards, micro_batch_size=4,
                               temperature=1.0)
-    assert "reasonmaxxer_gate" not in base.precomputed and "ref_log_prob" not in base.precomputed
-    # With a KL reference, the reference pass still computes no entropy (its output holds no gate).
+    assert "ref_entropy" not in base.precomputed and "ref_log_prob" not in base.precomputed
+    # With a KL reference, the reference pass still computes no entropy.
     kl = compute_advantages(resolve_algorithm(AlgorithmConfig(kl_coef=0.1)), model, ro, rewards, micro_batch_size=4,
                             temperature=1.0, ref_model=ref)
-    assert "ref_log_prob" in kl.precomputed and "reasonmaxxer_gate" not in kl.precomputed
+    assert "ref_log_prob" in kl.precomputed and "ref_entropy" not in kl.precomputed
 
 
 def test_recipe_and_needs():
     algo = resolve_algorithm(load_config(None, ["algorithm.name=reasonmaxxer"]).algorithm)
     assert algo.cfg.loss == "reasonmaxxer" and algo.cfg.advantage == "grpo"
-    assert {"ref_log_prob", "ref_entropy", "whole_groups"} <= algo.needs
-    assert "ref_entropy" not in resolve_algorithm(AlgorithmConfig()).needs
+    assert {"ref_log_prob", "ref_entropy"} <= algo.needs and "whole_groups" not in algo.needs
+    assert algo.precompute is reasonmaxxer_precompute
+    default = resolve_algorithm(AlgorithmConfig())
+    assert "ref_entropy" not in default.needs and default.precompute is None
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -154,7 +174,17 @@ def test_recipe_and_needs():
     ({"reasonmaxxer_entropy_threshold": float("nan")}, "reasonmaxxer_entropy_threshold"),
     ({"reasonmaxxer_neg_weight": -0.1}, "reasonmaxxer_neg_weight"),
     ({"reasonmaxxer_entropy_threshold": 1.0, "reasonmaxxer_top_frac": 0.1}, "set only one"),
-    ({"advantage": "reinforce_pp"}, "group advantage estimator"),
+    ({"advantage": "reinforce_pp"}, "algorithm.advantage='reinforce_pp'"),
+    ({"advantage": "rloo"}, "use algorithm.advantage=grpo"),
+    ({"ppo_epochs": 2}, "ppo_epochs=2"),
+    ({"clip_ratio_low": 0.1}, "clip_ratio_low"),
+    ({"clip_ratio_high": 0.3}, "clip_ratio_high"),
+    ({"clip_ratio_c": 3.0}, "clip_ratio_c"),
+    ({"norm_adv_by_std": False}, "norm_adv_by_std"),
+    ({"adv_epsilon": 1e-3}, "adv_epsilon"),
+    ({"ngrpo_max_reward": 2.0}, "ngrpo_max_reward"),
+    ({"ace_alpha": 0.5}, "ace_alpha"),
+    ({"gamma": 0.9}, "gamma"),
     ({"ref_reset_every": 5, "kl_coef": 0.1}, "ref_reset_every"),
     ({"kl_coef": 0.1, "kl_in": "reward"}, "kl_in"),
     ({"entropy_top_rho": 0.2}, "entropy_top_rho"),
@@ -167,16 +197,87 @@ def test_bad_settings_are_refused_at_resolution(kw, match):
 
 
 def test_keys_without_reasonmaxxer_are_refused_when_the_config_loads():
-    with pytest.raises(ConfigError, match="reasonmaxxer_neg_weight"):
+    # One refusal, config_loading.py's _GATED (not a second one at resolution with another message).
+    with pytest.raises(ConfigError, match="'algorithm.reasonmaxxer_neg_weight' has no effect unless algorithm.loss="):
         load_config(None, ["algorithm.reasonmaxxer_neg_weight=2.0"])
     assert load_config(None, ["algorithm.name=reasonmaxxer", "algorithm.reasonmaxxer_entropy_threshold=1.0"])
 
 
 def test_objective_without_its_gate_is_refused():
-    with pytest.raises(RuntimeError, match="entropy gate"):
+    with pytest.raises(RuntimeError, match="precompute"):
         reasonmaxxer_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
                           LossContext(cfg=cfg(), aggregate=aggregate, rewards=torch.ones(1),
                                       group_index=torch.zeros(1, dtype=torch.long)))
+
+
+def test_unlikelihood_keeps_its_gradient_for_a_token_the_policy_is_sure_of():
+    # A wrong token at π = e^{-1e-9} ≈ 1: the loss is capped at −log(1e-6) nats, its gradient is the cap's,
+    # λ·π/(1 − π) ≈ 1e6 (token-mean over one token), not zero.
+    lp = torch.tensor([[-1e-9], [-1e-9]], requires_grad=True)
+    loss, _ = reasonmaxxer_loss(lp, lp.detach(), torch.zeros(2, 1), torch.tensor([[0.0], [1.0]]),
+                                ctx(cfg(), torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.ones(2, 1)))
+    assert loss.item() == pytest.approx(-math.log(1e-6), rel=1e-3)
+    loss.backward()
+    assert lp.grad[1, 0].item() == pytest.approx((1 - 1e-6) / 1e-6, rel=1e-2)
+    assert lp.grad[0, 0].item() == 0.0  # masked row
+
+
+def group_rollout(tiny_model_dir):
+    """The tiny model and a rollout of two prompts × 4 samples of unequal lengths (policy_update tests)."""
+    from anabranch.config import ModelConfig
+    from anabranch.models.loading import load_model
+    from anabranch.rollout.base import Rollout
+
+    model = load_model(ModelConfig(path=tiny_model_dir), torch.device("cpu"), trainable=True)
+    torch.manual_seed(3)
+    b, w = 8, 5
+    lengths = torch.tensor([5, 2, 4, 3, 5, 1, 3, 4])
+    response_mask = (torch.arange(w)[None] < lengths[:, None]).long()
+    ro = Rollout(prompt_ids=torch.randint(3, 60, (2, 3)).repeat_interleave(4, 0),
+                 prompt_mask=torch.ones(b, 3, dtype=torch.long),
+                 response_ids=torch.randint(3, 60, (b, w)) * response_mask, response_mask=response_mask,
+                 group_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), prompts=["a", "b"], completions=[""] * b,
+                 truncated=torch.zeros(b, dtype=torch.bool))
+    # Group 1's mean is 0.625: its rows are +, +, −, −; a split into pairs would see (1, 1): all equal.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
+    return model, ro, rewards, torch.rand(b, w) * response_mask
+
+
+def update_grads(model, ro, rewards, ent, c, **kw):
+    """Run one update with a zero learning rate; return (its metrics, the gradient it left)."""
+    metrics = policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), ro, torch.zeros(ro.response_ids.shape),
+                            rewards, resolve_algorithm(c), grad_clip=0.0, temperature=1.0,
+                            max_response_len=ro.response_ids.shape[1], **kw,
+                            # the reference pass's outputs (its log-probs are not read: no KL here)
+                            precomputed={"ref_entropy": ent, "ref_log_prob": torch.zeros(ent.shape)})
+    return metrics, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_micro_batch_splits_give_the_single_pass_gradient(tiny_model_dir):
+    model, ro, rewards, ent = group_rollout(tiny_model_dir)
+    c = cfg(reasonmaxxer_top_frac=0.3, reasonmaxxer_neg_weight=0.7)
+    whole, g_whole = update_grads(model, ro, rewards, ent, c, micro_batch_size=8)
+    assert whole["micro_batches"] == 1 and whole["reasonmaxxer/pos_frac"] > 0 and whole["reasonmaxxer/neg_frac"] > 0
+    for kw in ({"micro_batch_size": 2}, {"micro_batch_size": 4}, {"micro_batch_size": 8, "micro_batch_tokens": 20}):
+        split, g = update_grads(model, ro, rewards, ent, c, **kw)
+        assert split["micro_batches"] > 1 or kw["micro_batch_size"] == 8 and "micro_batch_tokens" not in kw
+        assert torch.allclose(g, g_whole, rtol=1e-4, atol=1e-7), kw
+        for key in ("reasonmaxxer/gate_frac", "reasonmaxxer/pos_frac", "reasonmaxxer/neg_frac", "loss"):
+            assert split[key] == pytest.approx(whole[key], rel=1e-5), (kw, key)
+
+
+def test_gate_is_over_the_tokens_left_after_the_overlong_filter(tiny_model_dir):
+    model, ro, rewards, ent = group_rollout(tiny_model_dir)
+    ent[0] = 10.0  # the truncated row's entropies are the batch's highest, but it is not trained
+    ro.truncated[0] = True
+    trained = filter_overlong(ro, True)
+    mask = trained.trained_mask.float()
+    assert mask[0].sum() == 0
+    metrics, _ = update_grads(model, trained, rewards, ent, cfg(reasonmaxxer_top_frac=0.25), micro_batch_size=8)
+    # 22 trained tokens: ⌈0.25·22⌉ = 6 gated among them (random entropies, no ties).
+    want = decision_gate(ent, mask, 0.25)
+    assert want.sum() == 6 and (want * mask).sum() == 6
+    assert metrics["reasonmaxxer/gate_frac"] == pytest.approx(6 / 22)
 
 
 def even_first_char(prompts, completions, **_):

@@ -253,6 +253,14 @@ class RewardConfig:
     isolation: str = "process"
     # Stop the run on the first reward failure instead of scoring 0.
     strict: bool = False
+    # Process-reward shaping (Gao et al. 2024, "On Designing Effective RL Reward at Training Time for LLM
+    # Reasoning"; algorithms/prm_shaping.py): "none", or the step rewards from the `prm` reward function's
+    # scores, put on each step's end token beside the outcome reward: "clip" r_k = min(PRM_k − η, 0),
+    # "delta" r_k = PRM_k − PRM_{k+1} (last step 0), "clip_delta" (delta of the clipped scores). Needs
+    # exactly one `prm` entry in reward.functions (its weight scales r_k) and algorithm.advantage=gae
+    # or reinforce_pp (the estimators that read per-token rewards).
+    prm_shaping: str = "none"
+    prm_eta: float = 0.5  # η of clip / clip_delta (assumed; the paper's value was not found)
 
 
 @dataclass

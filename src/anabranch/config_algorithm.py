@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from anabranch.config_algorithm_options import (DPHConfig, FDPGConfig, FlowRLConfig, GuideConfig, HPTConfig,
-                                                KDRLConfig, RLPlusConfig, ScaffoldConfig)
+from anabranch.config_algorithm_options import (AMPOConfig, DPHConfig, FDPGConfig, FlowRLConfig, GuideConfig,
+                                                HPTConfig, KDRLConfig, RLPlusConfig, ScaffoldConfig)
 
 
 @dataclass
@@ -134,8 +134,9 @@ class AlgorithmConfig:
     # ReasonMaxxer (Akgül et al. 2026, arXiv 2605.06241; algorithms/reasonmaxxer.py; algorithm.name=reasonmaxxer):
     # −log π on correct samples' tokens, −λ·log(1 − π) on incorrect ones' (λ = reasonmaxxer_neg_weight; correct:
     # reward above its group's mean), only where the reference (base) model's entropy is high: the top
-    # reasonmaxxer_top_frac of the batch's response tokens, or those >= reasonmaxxer_entropy_threshold (nats) when
-    # set. Contrast form, λ = 1 and ρ = 0.2 assumed (the paper's exact loss and gate were not found).
+    # reasonmaxxer_top_frac of the batch's trained response tokens, or those >= reasonmaxxer_entropy_threshold
+    # (nats) when set. The entropy is of π_ref's logits / rollout.temperature (the base model's own at T = 1).
+    # Contrast form, λ = 1 and ρ = 0.2 assumed (the paper's exact loss and gate were not found).
     reasonmaxxer_top_frac: float = 0.2
     reasonmaxxer_entropy_threshold: Optional[float] = None
     reasonmaxxer_neg_weight: float = 1.0
@@ -213,6 +214,9 @@ class AlgorithmConfig:
     # Hint scaffolding, GHPO (algorithms/scaffold.py): all-fail prompts re-sampled with a growing prefix of their
     # reference solution and trained in that hinted context, on-policy (any loss; off by default).
     scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
+    # AMPO (algorithms/ampo.py): all-fail groups get the teachers' correct solutions the student finds most
+    # likely in place of num_replace samples, trained with LUFFY's shaped off-policy term (off by default).
+    ampo: AMPOConfig = field(default_factory=AMPOConfig)
     rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
     # KDRL (algorithms/kdrl.py): β·KL(π_θ ‖ teacher) on the student's own samples, beside the reference KL;
     # off while kdrl.teacher is empty.
@@ -226,6 +230,18 @@ class AlgorithmConfig:
     srpo_coef: float = 0.0
     srpo_entropy_weight: str = "softmax"
     srpo_feedback_template: str = "\n\nA correct solution to this problem:\n{solution}\n\nThe attempt, written knowing it:\n"
+    # SPAE (Wu et al. 2026, algorithms/spae.py, trainer/spae_step.py): after each step of a response the policy
+    # scores the gold answer behind spae_probe; potential Φ = 1.5·Acc·Conf + 0.5·Acc − Conf, and each token gets
+    # Â − λ·|Â| after the first step with Φ ≥ τ, plus ξ·(Φ_k − Φ_{k−1}) of its step. spae_coef ξ >= 0 (0: off, no
+    # cost; on: one extra no-grad forward of ≤ spae_max_steps probes per response). spae_delimiter: text that ends
+    # a step. spae_probe: answer-forcing suffix after the step prefix. spae_saturation τ in (−1, 1].
+    # spae_saturation_penalty λ in [0, 1]. spae_max_steps >= 1: probes per response (evenly spaced beyond it).
+    spae_coef: float = 0.0
+    spae_delimiter: str = "\n\n"
+    spae_probe: str = "**Final Answer**\n\\boxed{"
+    spae_saturation: float = 0.9
+    spae_saturation_penalty: float = 0.5
+    spae_max_steps: int = 8
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

@@ -1,5 +1,6 @@
 """Option groups of single methods, nested in ``algorithm`` (``algorithm.flowrl.*``, ``algorithm.dph.*``,
-``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.guide.*``, ``algorithm.scaffold.*``, ``algorithm.rl_plus.*``, ``algorithm.kdrl.*``):
+``algorithm.fdpg.*``, ``algorithm.hpt.*``, ``algorithm.guide.*``, ``algorithm.scaffold.*``, ``algorithm.rl_plus.*``, ``algorithm.kdrl.*``,
+``algorithm.ampo.*``):
 their keys, defaults and why.
 
 Kept apart from config.py, which holds the run's sections; config.py imports them, so
@@ -168,3 +169,22 @@ class KDRLConfig:
     # Reward-guided KD: "response" (no KD on correct responses, the paper), "group" (KD only on prompts with no
     # correct sample; assumed reading) or "none" (KD on every response).
     mask: str = "response"
+
+
+@dataclass
+class AMPOConfig:
+    """AMPO (``algorithm.ampo``; Yuan, Ding et al. 2025, arXiv 2510.02227; algorithms/ampo.py): in a group whose
+    n samples all fail, num_replace of them are replaced by the correct teacher solutions the student finds
+    most likely; those rows are trained with LUFFY's shaped term −f(π_θ)·Â, f(p) = p / (p + shaping_gamma)."""
+
+    # Turn AMPO on (with loss ppo_clip, cispo or gspo; needs the teachers' solutions in solutions_column).
+    enabled: bool = False
+    # Dataset column with each row's pre-collected teacher solutions: a list of texts (one per teacher) or one text.
+    solutions_column: str = "teacher_solutions"
+    # On-policy samples of an all-fail group replaced by teacher solutions (the authors' script: 2).
+    num_replace: int = 2
+    # How candidates are ranked: "mean_logprob" (the student's mean token log-prob of the solution, one
+    # no-grad forward) or "order" (the column's order, no forward; an ablation).
+    selection: str = "mean_logprob"
+    # γ of the policy shaping f(p) = p / (p + γ) on the injected tokens (LUFFY's and the authors' 0.1).
+    shaping_gamma: float = 0.1

@@ -334,6 +334,15 @@ def validate(cfg: Config) -> None:
         from anabranch.rollout.retry_turns import check_config as check_retry_turns
 
         check_retry_turns(cfg)
+    if cfg.algorithm.advantage == "trloo":  # TRLOO's per-attempt rewards: retry turns, no ignored reward terms
+        from anabranch.algorithms.trloo import check_trloo_config
+
+        check_trloo_config(cfg)
+    if cfg.reward.prm_shaping != "none" or any(getattr(f, "name", None) == "prm" for f in cfg.reward.functions):
+        # PRM-Clip/Delta (algorithms/prm_shaping.py): its `prm` source, a token-level estimator, no rebuilt rollouts
+        from anabranch.algorithms.prm_shaping import check_config as check_prm_shaping
+
+        check_prm_shaping(cfg)
     if cfg.rollout.extra_rollouts == "dars":  # refused combinations (prompt pairing, group-level rewards)
         from anabranch.trainer.extra_rollouts import check_config as check_extra_rollouts
 
@@ -342,6 +351,10 @@ def validate(cfg: Config) -> None:
         from anabranch.trainer.cure_rollouts import check_config as check_cure
 
         check_cure(cfg)
+    if cfg.algorithm.loss == "brain":  # BRAIn's α needs draws from π_old(y|x): CURE's branches are not
+        from anabranch.algorithms.brain import check_brain_run
+
+        check_brain_run(cfg)
     if cfg.algorithm.guide.enabled:  # Guide (algorithms/guide.py): backend, tools and pairing it cannot take
         from anabranch.algorithms.guide import check_run as check_guide_run
 
@@ -350,6 +363,10 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.scaffold import check_run as check_scaffold_run
 
         check_scaffold_run(cfg)
+    if cfg.algorithm.ampo.enabled:  # AMPO (algorithms/ampo.py): backend, tools, retry turns and pairing it cannot take
+        from anabranch.algorithms.ampo import check_run as check_ampo_run
+
+        check_ampo_run(cfg)
     if cfg.algorithm.dynamic_sampling_filter == "std" and cfg.algorithm.dynamic_sampling_metric == "accuracy":
         # RLPR's filter measures the spread of the reward; on the right/wrong flags it measures p̂(1−p̂).
         from anabranch.rewards.guard import warn
@@ -397,6 +414,14 @@ _GATED = [
      lambda c: c.rollout.extra_rollouts == "cure", "rollout.extra_rollouts=cure"),
     ("algorithm", ("mssr_rho", "mssr_prior"), lambda c: c.algorithm.advantage == "mssr",
      "algorithm.advantage=mssr (algorithm.name=mssr)"),
+    # BRAIn (algorithms/brain.py): the temperature of its posterior, an option of its objective only.
+    ("algorithm", ("brain_beta",), lambda c: c.algorithm.loss == "brain", "algorithm.loss=brain (algorithm.name=brain)"),
+    # PRM-Clip (algorithms/prm_shaping.py): η acts only in the clipping modes.
+    ("reward", ("prm_eta",), lambda c: c.reward.prm_shaping in ("clip", "clip_delta"),
+     "reward.prm_shaping=clip or clip_delta"),
+    # SPAE (algorithms/spae.py): its probe and penalty knobs act only with a positive coefficient.
+    ("algorithm", ("spae_delimiter", "spae_probe", "spae_saturation", "spae_saturation_penalty", "spae_max_steps"),
+     lambda c: c.algorithm.spae_coef > 0, "algorithm.spae_coef > 0"),
     # Low-likelihood curation (trainer/curation.py): its pre-pass knobs act only when it is on.
     ("task", ("curation_min_rate", "curation_max_rate", "curation_samples", "curation_prompts"),
      lambda c: c.task.curation != "none", "task.curation=low_likelihood"),

@@ -114,3 +114,6 @@ RECIPES.register("reinforce_pp_baseline")({"advantage": "reinforce_pp_baseline",
 RECIPES.register("w_reinforce")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 0.1, "nsr_weight": 1.0})
 RECIPES.register("psr")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 1.0, "nsr_weight": 0.0})
 RECIPES.register("nsr")({"advantage": "psr_nsr", "loss": "ppo_clip", "psr_weight": 0.0, "nsr_weight": 1.0})
+
+# TRLOO (algorithms/trloo.py): turn-level leave-one-out advantages of multi-attempt episodes; registered on import.
+from anabranch.algorithms import trloo  # noqa: E402,F401

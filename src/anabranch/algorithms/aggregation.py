@@ -62,3 +62,18 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def group_logsumexp(x: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per row: log Σ_j exp(x_j) over the ``valid`` rows j of its group (``group_index``), in log space
+    without a Python loop. A group with no valid row gets log(1e-300) (finite, so its rows stay finite);
+    the objectives that read this mask such rows out. Used by BRAIn's softmaxes and f-DPG's log Ẑ."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    masked = x.masked_fill(~valid, float("-inf"))
+    # The per-group max is a constant shift of log Σ exp: detached, since its gradient would cancel anyway.
+    peak = torch.full((n_groups,), float("-inf"), dtype=x.dtype, device=x.device)
+    peak = peak.scatter_reduce(0, inverse, masked.detach(), reduce="amax")
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    sums = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add(0, inverse, torch.exp(masked - peak[inverse]))
+    return (peak + torch.log(sums.clamp(min=1e-300)))[inverse]

@@ -39,7 +39,21 @@ self-normalized KL Σ α log(α/γ) on the samples, 0 iff γ = α (logged as ``b
   in the loss (overlong filter) get α = γ = 0 and stay out of both softmaxes.
 - ``algorithm.kl_coef > 0`` is refused (π_ref is already the prior of the target); other advantage
   estimators are refused (α needs r up to a per-prompt shift); rollout.n >= 2 is required by grpo's
-  group registration (trainer/components.py).
+  group registration (trainer/components.py). ``rollout.extra_rollouts=cure`` is refused at load
+  (``check_brain_run``): its branch rows are an original's prefix plus a re-sampled rest, not draws from
+  q = π_old(y|x), so the self-normalized α would weight them wrongly. DARS's extra samples are plain draws
+  from q for their prompt and are accepted (the group is just larger).
+- Added terms, accepted as the user's choice: ``entropy_coef``, ``siren_coef`` and KDRL
+  (``algorithm.kdrl.teacher``) add their own gradient to the loss, so training no longer stops at the
+  posterior but at the optimum of L_x plus that regularizer (α itself is unchanged). DSDR's coefficients
+  are refused for every reward-reading loss (resolve.py).
+- Dynamic sampling (``algorithm.dynamic_sampling``) is accepted and changes the prompt distribution: an
+  all-equal group has α = softmax(log π_ref − log q), whose gradient pulls π_θ toward π_ref on that
+  prompt (0 only while π_θ = π_old = π_ref). DAPO drops such groups, so the posterior is fitted on the
+  prompts with mixed rewards only and the prior's pull on solved/unsolved prompts is lost (a data choice
+  like task.curation, not a biased estimator on the prompts kept).
+- Metrics: the per-prompt ones (self_norm_kl, cross_entropy, alpha_ess, alpha_max) are means over the
+  micro-batch's live groups, those with at least one row in the loss.
 """
 
 from __future__ import annotations
@@ -48,20 +62,25 @@ import math
 
 import torch
 
+from anabranch.algorithms.aggregation import group_logsumexp
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
-from anabranch.config import AlgorithmConfig, ConfigError
-
-DEFAULT_BETA = AlgorithmConfig().brain_beta
-
+from anabranch.config import AlgorithmConfig, Config, ConfigError
 
 def check_brain(cfg: AlgorithmConfig) -> str | None:
-    """brain_beta's range, and its refusal when another loss is chosen (it would do nothing)."""
+    """brain_beta's range (its refusal with another loss is config_loading's _GATED, at load)."""
     if not (cfg.brain_beta > 0 and math.isfinite(cfg.brain_beta)):
         return f"algorithm.brain_beta must be positive and finite, the temperature of exp(r/β) (got {cfg.brain_beta!r})"
-    if cfg.loss != "brain" and cfg.brain_beta != DEFAULT_BETA:
-        return (f"config key 'algorithm.brain_beta' has no effect unless algorithm.loss=brain (algorithm.name=brain) "
-                f"(got {cfg.brain_beta!r}); set algorithm.name=brain or leave it at its default")
     return None
+
+
+def check_brain_run(cfg: Config) -> None:
+    """Cross-section refusals at config load: rollouts whose rows are not draws from q = π_old(y|x)."""
+    if cfg.rollout.extra_rollouts == "cure":
+        raise ConfigError(
+            "rollout.extra_rollouts=cure is not supported for algorithm.loss=brain: CURE's branch rows keep an "
+            "original's prefix up to a critical token and re-sample only the rest, so they are not draws from "
+            "q = π_old(y|x) and the self-normalized posterior weights α ∝ π_ref·exp(r/β)/q would be wrong; set "
+            "rollout.extra_rollouts=none (or dars) or choose another algorithm.loss")
 
 
 def brain_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
@@ -80,17 +99,7 @@ def brain_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
 
 def group_log_softmax(x: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """log softmax of ``x`` within each group over its ``valid`` entries (differentiable; 0 elsewhere)."""
-    _, inverse = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    masked = x.masked_fill(~valid, float("-inf"))
-    # The per-group max is a constant shift of log Σ exp, so it is detached: its gradient would cancel.
-    peak = torch.full((n_groups,), float("-inf"), dtype=x.dtype, device=x.device)
-    peak = peak.scatter_reduce(0, inverse, masked.detach(), reduce="amax")
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    sums = torch.zeros(n_groups, dtype=x.dtype, device=x.device)
-    sums = sums.index_add(0, inverse, torch.exp(masked - peak[inverse]))
-    lse = peak + torch.log(sums.clamp(min=1e-300))
-    return torch.where(valid, x - lse[inverse], torch.zeros_like(x))
+    return torch.where(valid, x - group_logsumexp(x, group_index, valid), torch.zeros_like(x))
 
 
 def brain_weights(log_pi, log_q, log_ref, reward, group_index, valid, beta: float):
@@ -131,15 +140,23 @@ def brain_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
         def per_group(v):  # the sum over each group's rows
             return torch.zeros(n_groups, dtype=v.dtype, device=v.device).index_add(0, inverse, v)
 
+        # Live groups only: a group whose rows all left the loss (overlong filter, HPT) has α = 0, and would
+        # give 1/Σα² = 1/0 and a cross-entropy of 0 that drags the means down. No live group: metrics are 0.
+        live = per_group(valid.to(alpha.dtype)) > 0
+
+        def live_mean(v):
+            return v[live].mean().item() if bool(live.any()) else 0.0
+
         cross = per_group(-alpha * log_gamma)
         self_kl = cross - per_group(ent_alpha)
         ess = 1.0 / per_group(alpha.square()).clamp(min=1e-300)  # effective sample size of α, in [1, n]
+        alpha_max = torch.zeros(n_groups, dtype=alpha.dtype, device=alpha.device).scatter_reduce(
+            0, inverse, alpha, "amax")
         metrics = {
-            "brain/self_norm_kl": self_kl.mean().item(),  # Σ α log(α/γ) per prompt: 0 iff π_θ matches the posterior
-            "brain/cross_entropy": cross.mean().item(),
-            "brain/alpha_ess": ess.mean().item(),
-            "brain/alpha_max": torch.zeros(n_groups, dtype=alpha.dtype, device=alpha.device).scatter_reduce(
-                0, inverse, alpha, "amax").mean().item(),  # how far the posterior is from uniform
+            "brain/self_norm_kl": live_mean(self_kl),  # Σ α log(α/γ) per prompt: 0 iff π_θ matches the posterior
+            "brain/cross_entropy": live_mean(cross),
+            "brain/alpha_ess": live_mean(ess),
+            "brain/alpha_max": live_mean(alpha_max),  # how far the posterior is from uniform
             "brain/weight_absmean": (alpha - gamma)[keep].abs().mean().item(),  # |α − γ|, the gradient's coefficients
             "brain/log_ratio_ref_old_mean": (log_ref - log_q).detach()[keep].mean().item(),
             "brain/log_prob_mean": log_pi.detach()[keep].mean().item(),

@@ -6,15 +6,18 @@ own token entropies H_t (detached). They apply to every objective and are off by
   (0 = off; paper 0.4) and κ = ``entropy_adv_kappa`` (paper 2). The clip keeps the bonus from
   flipping the sign of Â, and it vanishes where Â = 0.
 - Forking-token mask (Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive
-  Effective Reinforcement Learning for LLM Reasoning"): Â'_t = Â_t · [H_t ≥ q_{1−ρ}(H)] keeps the
+  Effective Reinforcement Learning for LLM Reasoning"): Â'_t = Â_t · [H_t ≥ H_(k)] keeps the
   policy gradient only on the top-ρ fraction of response tokens by entropy (ρ =
-  ``entropy_top_rho``, paper 0.2; 1 = off). The quantile is taken over the micro-batch's
+  ``entropy_top_rho``, paper 0.2; 1 = off): the k = ⌈ρ·n⌉ highest of the n response tokens, and
+  every token tied with the k-th (:func:`top_fraction_mask`). The selection is over the micro-batch's
   response tokens (exact when one micro-batch holds the step batch: ``trainer.micro_batch_tokens``
   large enough, or 0 with ``trainer.micro_batch_size`` ≥ the step batch). The other tokens
   still count in the loss normalizer, so the step size per kept token is unchanged.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,14 +26,27 @@ def entropy_shaped_advantage(advantages: torch.Tensor, entropy: torch.Tensor, al
     return advantages + torch.minimum(alpha * entropy.detach(), advantages.abs() / kappa)
 
 
+def top_fraction_mask(values: torch.Tensor, mask: torch.Tensor, frac: float) -> torch.Tensor:
+    """Bool [same shape]: the entries under ``mask`` whose value is >= the k-th largest of them,
+    k = ⌈frac · n⌉ (n the masked entries; ties with the k-th are all kept, so a threshold, not a count).
+
+    ``torch.topk``, not ``torch.quantile``: quantile refuses inputs over 16M elements (a large step's
+    tokens), and its interpolated (1 − frac)-quantile kept ⌊1 + (n − 1)·frac⌋ entries, one fewer than
+    ⌈frac·n⌉ when the fraction of frac·n is below frac (never for frac = 0.2 or 0.5)."""
+    valid = mask.bool()
+    picked = values.detach()[valid]
+    n = picked.numel()
+    if n == 0:
+        return torch.zeros_like(valid)
+    # frac·n in floating point can land just above an integer (0.07·100 = 7.000000000000001).
+    k = min(n, max(1, math.ceil(frac * n - 1e-9)))
+    cutoff = torch.topk(picked.float(), k).values[-1]
+    return valid & (values.detach().float() >= cutoff)
+
+
 def forking_token_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
     """1 on the top-ρ entropy response tokens, 0 elsewhere."""
-    valid = mask.bool()
-    values = entropy.detach()[valid]
-    if values.numel() == 0:
-        return torch.zeros_like(entropy)
-    threshold = torch.quantile(values.float(), 1.0 - rho)
-    return ((entropy.detach() >= threshold) & valid).to(entropy.dtype)
+    return top_fraction_mask(entropy, mask, rho).to(entropy.dtype)
 
 
 def shape_advantages(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg):

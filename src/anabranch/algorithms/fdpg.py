@@ -65,6 +65,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from anabranch.algorithms.aggregation import group_logsumexp
 from anabranch.algorithms.flowrl import group_mean
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 from anabranch.config import AlgorithmConfig, ConfigError
@@ -142,16 +143,9 @@ def fdpg_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:
 def group_log_z(log_w: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Each sample's log Ẑ = log mean_j exp(log_w_j) over its group's valid samples (log space)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    masked = log_w.masked_fill(~valid, float("-inf"))
-    # Per-group max, then a sum of exp(x − max): the logsumexp of each group without a Python loop.
-    peak = torch.full((n_groups,), float("-inf"), dtype=log_w.dtype, device=log_w.device)
-    peak = peak.scatter_reduce(0, inverse, masked, reduce="amax")
-    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    sums = torch.zeros_like(peak).index_add(0, inverse, torch.exp(masked - safe_peak[inverse]))
-    counts = torch.zeros_like(peak).index_add(0, inverse, valid.to(log_w.dtype))
-    log_z = safe_peak + torch.log(sums.clamp(min=1e-300)) - torch.log(counts.clamp(min=1.0))
-    return log_z[inverse]
+    counts = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=log_w.dtype,
+                         device=log_w.device).index_add(0, inverse, valid.to(log_w.dtype))
+    return group_logsumexp(log_w, group_index, valid) - torch.log(counts.clamp(min=1.0))[inverse]
 
 
 def pseudo_rewards(log_pi, log_q, log_ref, r_hat, group_index, valid, divergence: str, beta: float):

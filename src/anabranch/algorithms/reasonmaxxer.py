@@ -1,4 +1,5 @@
-"""ReasonMaxxer: an RL-free contrastive loss only at the base model's high-entropy decision points.
+"""ReasonMaxxer: a contrastive loss only at the base model's high-entropy decision points, with no
+policy-gradient ratio (online rollouts each step).
 
 Akgül, Kannan, Prasanna, Neiswanger 2026, "Rethinking RL for LLM Reasoning: It's Sparse Policy Selection,
 Not Capability Learning" (arXiv 2605.06241). The paper finds that RL's useful change is a sparse correction
@@ -8,16 +9,26 @@ decision points of base-model rollouts, without a policy-gradient loop.
 
 What is implemented, for the samples y_1..y_G of a prompt with rewards r_i:
 
-    H_t  = −Σ_v π_ref(v | y_<t) log π_ref(v | y_<t)     entropy of the frozen reference (initial) model
+    H_t  = −Σ_v π_ref(v | y_<t) log π_ref(v | y_<t)     entropy of the frozen reference (initial) model, of its
+                                                        logits divided by rollout.temperature T (see below)
     g_t  = 1[H_t ≥ τ]                                   decision gate; τ = reasonmaxxer_entropy_threshold, or
-                                                        the (1 − ρ)-quantile of H over the step batch's
-                                                        response tokens (ρ = reasonmaxxer_top_frac)
+                                                        the k-th largest H over the tokens the update trains,
+                                                        k = ⌈ρ·n⌉ (ρ = reasonmaxxer_top_frac; ties kept)
     s_i  = sign(r_i − mean_{j in i's group} r_j)        +1 correct, −1 incorrect, 0 in an all-equal group
     ℓ_t  = −1[s_i > 0]·log π_θ(y_t) − λ·1[s_i < 0]·log(1 − π_θ(y_t))
     L    = agg_{i,t}(g_t · ℓ_t)                         the run's loss_agg_mode over all response tokens
 
 λ = ``algorithm.reasonmaxxer_neg_weight``. Correct samples' gated tokens are made likelier, incorrect
-samples' gated tokens less likely; no other token receives gradient.
+samples' gated tokens less likely; no other token receives gradient. log(1 − π) is computed as
+log(−expm1(min(log π, −10⁻⁶))), the cap applied straight-through: its value keeps a token the policy is sure
+of finite (at most −log 10⁻⁶ ≈ 13.8 nats), and its gradient is the uncapped one's at the cap, so a confidently
+wrong token (π > 1 − 10⁻⁶), the one that most needs it, still gets pushed down.
+
+The gate and the labels are computed once per update over the whole step batch (``reasonmaxxer_precompute``,
+the objective's ``precompute`` hook, called by trainer/step.py), so neither depends on how the update splits
+the batch into micro-batches: labels from every sample's reward (a truncated one still counts in its group's
+mean, as for the advantages), the gate's top-ρ over the tokens the update trains (after DAPO's overlong filter,
+SimpleTIR's void-turn filter and HPT have masked their rows out). Under DDP each rank gates its own batch.
 
 Confirmed from the paper (abstract and summaries; the method section could not be read): the gate is the
 base model's own entropy, the loss is contrastive between the base model's right and wrong rollouts of a
@@ -27,20 +38,23 @@ contrast is a likelihood term on correct samples plus an unlikelihood term −lo
 "correct" means above its group's mean reward; the gate takes the top ρ = 0.2 of the batch's tokens by
 entropy (the paper's exact threshold was not found; 0.2 follows Wang et al. 2025's forking tokens); no KL
 anchor unless ``algorithm.kl_coef > 0``. The rollouts come from the current policy each step (this library
-trains online); on the first step that is the base model, as in the paper. The gate is computed from the
-reference model in the rollout's no-grad pass (trainer/advantage_pass.py), over each rank's own batch.
+trains online); on the first step that is the base model, as in the paper. The reference entropies come
+from the rollout's no-grad reference pass (trainer/advantage_pass.py), which divides the logits by
+rollout.temperature as for the KL's reference log-probs: at T = 1 (the default) H is the base model's own
+entropy; with T ≠ 1 it is the tempered distribution's, and a threshold in nats refers to that one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
+from anabranch.algorithms.exploration import top_fraction_mask
+from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 
 NAME = "reasonmaxxer"
-_DEFAULTS = {"reasonmaxxer_top_frac": 0.2, "reasonmaxxer_entropy_threshold": None, "reasonmaxxer_neg_weight": 1.0}
 # Options that reshape advantages (or route rows by them): ReasonMaxxer reads rewards, never advantages.
 _ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha", lambda c: c.entropy_adv_alpha > 0),
                       ("entropy_top_rho", lambda c: c.entropy_top_rho < 1), ("ucas", lambda c: bool(c.ucas)),
@@ -49,10 +63,19 @@ _ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha"
                       ("position_shaping_coef", lambda c: c.position_shaping_coef > 0),
                       ("er_shaping_coef", lambda c: c.er_shaping_coef > 0), ("srpo_coef", lambda c: c.srpo_coef > 0),
                       ("dsdr_local_coef", lambda c: c.dsdr_local_coef > 0))
+# Keys whose only readers are the advantage estimators (grpo.py, ngrpo.py: norm_adv_by_std, adv_epsilon,
+# ngrpo_max_reward; advantages.py: gamma, psr/nsr weights, positive_threshold; ppo_value.py: lam, vf_*) or other
+# objectives (grpo.py's ppo_clip and its relatives: clip_ratio_*; ace.py: ace_alpha; cov_control.py: cov_*).
+# The other estimators' keys (canon_*, mssr_*, weighted_grpo_neg_weight) are refused by their own checks.
+_INERT_KEYS = ("norm_adv_by_std", "adv_epsilon", "ngrpo_max_reward", "gamma", "lam", "psr_weight", "nsr_weight",
+               "positive_threshold", "vf_coef", "vf_clip", "vf_lr_multiplier", "clip_ratio_low", "clip_ratio_high",
+               "clip_ratio_c", "ace_alpha", "cov_clip_ratio", "cov_clip_low", "cov_clip_high", "cov_kl_ratio",
+               "cov_kl_coef")
 
 
 def check_reasonmaxxer(cfg) -> str | None:
-    """The keys' ranges; keys only with loss=reasonmaxxer; what cannot act with it. An error message or None."""
+    """The keys' ranges, and what cannot act with loss=reasonmaxxer. An error message or None. (The keys
+    set without loss=reasonmaxxer are refused when the config loads: config_loading.py's _GATED.)"""
     frac, thr, lam = cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold, cfg.reasonmaxxer_neg_weight
     if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
         return (f"algorithm.reasonmaxxer_top_frac must be in (0, 1], the share of the batch's response tokens with the "
@@ -63,18 +86,20 @@ def check_reasonmaxxer(cfg) -> str | None:
     if not (isinstance(lam, (int, float)) and 0 <= lam < math.inf):
         return f"algorithm.reasonmaxxer_neg_weight must be a finite number >= 0 (got {lam!r})"
     if cfg.loss != NAME:
-        for key, default in _DEFAULTS.items():
-            if getattr(cfg, key) != default:
-                return (f"algorithm.{key}={getattr(cfg, key)!r} has no effect with algorithm.loss={cfg.loss!r}; set "
-                        f"algorithm.name={NAME} (or algorithm.loss={NAME}) or leave it at {default}")
         return None
-    if thr is not None and frac != _DEFAULTS["reasonmaxxer_top_frac"]:
+    defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.default is not dataclasses.MISSING}
+    if thr is not None and frac != defaults["reasonmaxxer_top_frac"]:
         return ("algorithm.reasonmaxxer_entropy_threshold and algorithm.reasonmaxxer_top_frac both pick the gated "
                 "positions; set only one (a threshold replaces the top fraction)")
-    if not ADVANTAGES.meta(cfg.advantage).get("group"):
-        return (f"algorithm.loss={NAME} contrasts the right and wrong samples of each prompt, so it needs a group "
-                f"advantage estimator (e.g. grpo, which also makes the trainer require rollout.n >= 2), not "
-                f"algorithm.advantage={cfg.advantage!r}")
+    if cfg.advantage != "grpo":
+        return (f"algorithm.advantage={cfg.advantage!r} with algorithm.loss={NAME}: the loss never reads the "
+                f"advantages (its labels are each sample's reward against its group's mean); use "
+                f"algorithm.advantage=grpo (as algorithm.name={NAME} sets), which makes the trainer require "
+                f"rollout.n >= 2")
+    if cfg.ppo_epochs > 1:
+        return (f"algorithm.ppo_epochs={cfg.ppo_epochs} with algorithm.loss={NAME}: the loss has no ratio to π_old "
+                f"and no clip, so further epochs would only repeat the same unclipped step (and compute π_old "
+                f"for nothing); leave algorithm.ppo_epochs at 1")
     if cfg.ref_reset_every > 0:
         return (f"algorithm.ref_reset_every={cfg.ref_reset_every} with algorithm.loss={NAME}: the gate is the base "
                 f"model's entropy, read from the reference model, which the reset would replace by the policy; "
@@ -87,6 +112,14 @@ def check_reasonmaxxer(cfg) -> str | None:
             return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: ReasonMaxxer never reads the "
                     f"advantages (its labels are each sample's reward against its group's mean), so this option "
                     f"would do nothing; leave algorithm.{key} at its default")
+    for key in _INERT_KEYS:
+        # RL-PLUS's demonstration advantage (trainer/rl_plus_step.py) does read GRPO's normalization.
+        if cfg.rl_plus.enabled and key in ("norm_adv_by_std", "adv_epsilon"):
+            continue
+        if getattr(cfg, key) != defaults[key]:
+            return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: only the advantage estimators "
+                    f"or other losses read it (ReasonMaxxer has no advantage, ratio or clip), so it would do "
+                    f"nothing; leave algorithm.{key} at its default {defaults[key]!r}")
     return None
 
 
@@ -94,24 +127,11 @@ def check_reasonmaxxer(cfg) -> str | None:
 def decision_gate(ref_entropy: torch.Tensor, mask: torch.Tensor, top_frac: float,
                   threshold: float | None = None) -> torch.Tensor:
     """g[B, T] in {0, 1}: response tokens whose reference entropy is >= ``threshold``, or (threshold None)
-    >= the k-th largest entropy of the batch's response tokens, k = ceil(top_frac · #tokens). Ties at the
-    cutoff are all kept (the gate is a threshold, not a count)."""
-    valid = mask > 0
+    >= the k-th largest entropy of the ``mask``ed tokens, k = ⌈top_frac · #tokens⌉. Ties at the cutoff are
+    all kept (the gate is a threshold, not a count)."""
     if threshold is not None:
-        return (valid & (ref_entropy >= threshold)).float()
-    values = ref_entropy[valid]
-    k = math.ceil(top_frac * values.numel())
-    if k == 0:
-        return torch.zeros_like(ref_entropy, dtype=torch.float32)
-    cutoff = torch.topk(values, k).values.min()
-    return (valid & (ref_entropy >= cutoff)).float()
-
-
-def gate_inputs(cfg, ref_entropy: torch.Tensor, mask: torch.Tensor) -> dict:
-    """What the advantage pass stores for the update: the gate over the whole step batch (so ``top_frac``
-    does not depend on how the update splits it into micro-batches)."""
-    gate = decision_gate(ref_entropy, mask, cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold)
-    return {"reasonmaxxer_gate": gate}
+        return ((mask > 0) & (ref_entropy >= threshold)).float()
+    return top_fraction_mask(ref_entropy, mask > 0, top_frac).float()
 
 
 def contrast_labels(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -126,25 +146,45 @@ def contrast_labels(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
     return torch.where(diff.abs() <= 1e-6 * (1 + r.abs()), torch.zeros_like(diff), torch.sign(diff))
 
 
+def reasonmaxxer_precompute(cfg, pre: dict, response_mask: torch.Tensor, rewards: torch.Tensor,
+                            group_index: torch.Tensor) -> dict:
+    """The objective's ``precompute`` hook (trainer/step.py, once per update, before the micro-batches): the
+    gate over the tokens the update trains (``response_mask``) and each row's label over the whole batch,
+    as per-row tensors that the update slices per micro-batch."""
+    ent = pre.get("ref_entropy")
+    if ent is None:
+        raise RuntimeError("loss=reasonmaxxer needs the reference model's entropies from the rollout pass "
+                           "(trainer/advantage_pass.py), but none were given")
+    device = response_mask.device
+    gate = decision_gate(ent.to(device), response_mask, cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold)
+    return {"reasonmaxxer_gate": gate, "reasonmaxxer_label": contrast_labels(rewards.to(device), group_index.to(device))}
+
+
+def log1m_exp_capped(log_prob: torch.Tensor, cap: float = -1e-6) -> torch.Tensor:
+    """log(1 − e^x) at x = min(log_prob, cap), the cap straight-through (value capped, gradient of the capped
+    point, never 0): −π/(1 − π) per unit of log π, ≈ −10⁶ for a token the policy is sure of."""
+    x = log_prob.float()
+    capped = x - (x - cap).clamp(min=0).detach()
+    return torch.log(-torch.expm1(capped))
+
+
 def reasonmaxxer_needs(cfg) -> tuple[str, ...]:
-    # The reference model's forward (its entropies give the gate); labels are group statistics: whole groups.
-    return ("ref_log_prob", "ref_entropy", "whole_groups")
+    # The reference model's forward, whose entropies give the gate (computed over the whole batch by precompute).
+    return ("ref_log_prob", "ref_entropy")
 
 
-@OBJECTIVES.register(NAME, needs=reasonmaxxer_needs)
+@OBJECTIVES.register(NAME, needs=reasonmaxxer_needs, precompute=reasonmaxxer_precompute)
 def reasonmaxxer_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
-    gate = ctx.extras.get("reasonmaxxer_gate")
-    if gate is None:
-        raise RuntimeError("loss=reasonmaxxer needs the reference model's entropy gate from the rollout pass "
-                           "(trainer/advantage_pass.py), but none was given")
-    if ctx.rewards is None or ctx.group_index is None:
-        raise RuntimeError("loss=reasonmaxxer needs each sample's reward and group, but none were given")
+    gate, labels = ctx.extras.get("reasonmaxxer_gate"), ctx.extras.get("reasonmaxxer_label")
+    if gate is None or labels is None:
+        raise RuntimeError("loss=reasonmaxxer needs the entropy gate and the labels of its precompute hook "
+                           "(reasonmaxxer_precompute, called by trainer/step.py), but none were given")
     m = response_mask.to(log_prob.dtype)
     g = gate.to(log_prob.dtype) * m
-    labels = contrast_labels(ctx.rewards, ctx.group_index).to(log_prob.dtype)[:, None]
-    pos, neg = g * (labels > 0), g * (labels < 0)
-    # log(1 − π) from log π; π is kept below 1 so that a token the policy is sure of gives a finite loss.
-    unlikely = torch.log1p(-log_prob.exp().clamp(max=1 - 1e-6))
+    s = labels.to(log_prob.dtype)[:, None]
+    pos, neg = g * (s > 0), g * (s < 0)
+    unlikely = log1m_exp_capped(log_prob).to(log_prob.dtype)
+    # Ungated tokens hold exact zeros (a 0 weight times a finite log), so they get no gradient.
     per_token = -(pos * log_prob + ctx.cfg.reasonmaxxer_neg_weight * neg * unlikely)
     loss = ctx.aggregate(per_token, m)
     with torch.no_grad():

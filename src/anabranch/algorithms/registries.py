@@ -5,7 +5,12 @@
   -> (loss, metrics)``; registered with ``needs=(...)`` naming the extra inputs it reads from
   ``ctx`` (``ref_log_prob``, ``old_log_prob``, ``entropy``, ``hidden``), so the trainer computes
   only those.
-  ``ref_entropy``: the reference model's token entropies from the rollout pass (ReasonMaxxer's gate).
+  ``ref_entropy``: the reference model's token entropies from the rollout pass, stored as
+  ``precomputed["ref_entropy"]`` (ReasonMaxxer's gate).
+  ``precompute=fn(cfg, precomputed, response_mask[B,T], rewards[B], group_index[B]) -> dict`` (optional):
+  called once per update before the micro-batches, with the mask of the tokens the update trains; the
+  per-row tensors it returns reach the objective as ``ctx.extras``, sliced per micro-batch (batch-wide
+  quantities, e.g. ReasonMaxxer's gate and labels, that must not depend on the micro-batch split).
   Registered with ``group=True`` when it compares the samples of a prompt (needs rollout.n >= 2),
   ``needs=(...)``, ``modules={...}`` (extra heads) and ``aux_loss=fn`` (e.g. a critic loss).
 - ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults

@@ -12,6 +12,7 @@ from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.siren import build_siren, check_siren
+from anabranch.algorithms.trloo import trloo_inputs
 from anabranch.config import AlgorithmConfig, ConfigError
 
 
@@ -42,6 +43,9 @@ class Algorithm:
     # SIREN's anchor (algorithms/siren.py): None unless algorithm.siren_coef > 0; read by trainer/step.py,
     # saved in checkpoints by trainer/loop.py.
     siren: object = None
+    # The objective's ``precompute`` hook (registries.py): batch-wide per-row inputs, computed once per update
+    # by trainer/step.py; None for every objective but those that register one (ReasonMaxxer).
+    precompute: Callable | None = None
 
 
 def apply_recipe(cfg: AlgorithmConfig, explicit: set | None = None) -> AlgorithmConfig:
@@ -121,6 +125,8 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
                      aux_losses=aux, er_shaping=build_er_shaping(cfg), siren=build_siren(cfg),
+                     precompute=obj_meta.get("precompute"),
+                     advantage_inputs=trloo_inputs(cfg),  # TRLOO's per-attempt grades from the rollout
                      # Lp-Reg's selection is per micro-batch, which leaving rows out would change; KDRL's
                      # teacher KL (algorithms/kdrl.py) has a gradient on rows whose advantage is 0.
                      # SIREN's entropy term (algorithms/siren.py) too, and its per-micro-batch mean.
@@ -235,6 +241,13 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
                               f"(PPO, GRPO, CISPO), not loss={cfg.loss!r}, which reads the reward back from them; "
                               f"leave algorithm.{key} at 0")
 
+    # TRLOO (algorithms/trloo.py): the terms its per-attempt rewards would drop or that reshape its advantages.
+    from anabranch.algorithms.trloo import check_trloo
+
+    error = check_trloo(cfg)
+    if error:
+        raise ConfigError(error)
+
     # CANON's split metric and inter-group weight (algorithms/canon.py).
     from anabranch.algorithms.canon import check_canon
 
@@ -292,6 +305,14 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
 
+    # AMPO's teacher injection for all-fail groups (algorithms/ampo.py): its keys (refused while it is off),
+    # the losses it supports and the methods that act on the same groups.
+    from anabranch.algorithms.ampo import check_ampo
+
+    error = check_ampo(cfg)
+    if error:
+        raise ConfigError(error)
+
     # RL-PLUS's external term (algorithms/rl_plus.py): needs a policy-gradient advantage, not with HPT.
     from anabranch.algorithms.rl_plus import check_rl_plus
 
@@ -318,6 +339,17 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
                           "policy-gradient term by zeroing their advantage, which a loss that reads the reward back "
                           "from its advantages would take as a target; use a policy-gradient loss (e.g. "
                           "algorithm.name=grpo) or set algorithm.srpo_coef=0")
+    # SPAE's step-potential term (algorithms/spae.py): its keys; it shifts each token's advantage, which suits only
+    # losses linear in the advantage.
+    from anabranch.algorithms.spae import check_spae
+
+    error = check_spae(cfg)
+    if error:
+        raise ConfigError(error)
+    if cfg.spae_coef > 0 and OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
+        raise ConfigError(f"algorithm.spae_coef > 0 with loss={cfg.loss!r}: SPAE adds a per-token term to the "
+                          "advantages, which a loss that reads the reward back from them would take as a target; use "
+                          "a policy-gradient loss (e.g. algorithm.name=grpo) or set algorithm.spae_coef=0")
     # ReasonMaxxer's gate and contrast (algorithms/reasonmaxxer.py): its keys, and what cannot act with it.
     from anabranch.algorithms.reasonmaxxer import check_reasonmaxxer
 

@@ -7,6 +7,7 @@ from anabranch.rewards import (  # noqa: F401 - registration
 from anabranch.rewards import label_refinement  # noqa: F401,E402 - OLR (registration)
 from anabranch.rewards import laser  # noqa: F401,E402 - LASER / LASER-D (registration)
 from anabranch.rewards import retry_reward  # noqa: F401,E402 - UFO's retry_turns reward (registration)
+from anabranch.rewards import prm  # noqa: F401,E402 - process reward model for PRM-Clip/Delta (registration)
 from anabranch.rewards.compose import RewardSource, Scored, build_rewards, score, score_detailed
 from anabranch.rewards.guard import RewardError, RewardOutput
 from anabranch.rewards.registry import REWARDS

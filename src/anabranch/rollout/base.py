@@ -58,6 +58,9 @@ class Rollout:
     # [B, R] 1 where the policy sampled the token, 0 on tool outputs inserted into the response;
     # None: every response token was sampled (single-turn).
     loss_mask: Optional[torch.Tensor] = None
+    # [B, K] each attempt's outcome in a "Try again" episode (rollout.retry_turns=K): 1 right, 0 wrong,
+    # -1 not made; the per-turn rewards of algorithm.advantage=trloo. None: not a multi-attempt rollout.
+    attempt_correct: Optional[torch.Tensor] = None
     metrics: dict = field(default_factory=dict)  # the rollout's own metrics (tool calls, ...)
 
     @property

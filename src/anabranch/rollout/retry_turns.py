@@ -114,6 +114,7 @@ class RetryTurnsBackend:
         trained: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
         attempts, solved_at, ended_eos = [0] * rows, [0] * rows, [False] * rows
+        outcomes: list[list[int]] = [[] for _ in range(rows)]  # per attempt: 1 right, 0 wrong (TRLOO's r_t)
         active, has_logps, turn = list(range(rows)), True, 0
         while active:
             got = self.inner.continue_ids([starts[i] + resp[i] for i in active],
@@ -131,7 +132,9 @@ class RetryTurnsBackend:
                 logps[i] += list(lps[:len(ids)]) if lps is not None else [0.0] * len(ids)
                 attempts[i] += 1
                 ended_eos[i] = eos is not None
-                if gold[i] is not None and self.check(text, str(gold[i])):
+                right = gold[i] is not None and self.check(text, str(gold[i]))
+                outcomes[i].append(int(right))
+                if right:
                     solved_at[i] = attempts[i]
                     continue
                 if eos is None or gold[i] is None or attempts[i] >= k_max:
@@ -146,9 +149,10 @@ class RetryTurnsBackend:
             active = still
             turn += 1
         return self._rollout(prompts, enc, n, resp, trained, logps if has_logps else None, ended_eos,
-                             attempts, solved_at)
+                             attempts, solved_at, outcomes)
 
-    def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, attempts, solved_at) -> Rollout:
+    def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, attempts, solved_at,
+                 outcomes=None) -> Rollout:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
         prompt_ids, prompt_mask = left_padded(enc, pad)
@@ -175,6 +179,8 @@ class RetryTurnsBackend:
             completions=[tok.decode(r, skip_special_tokens=True) for r in resp],
             truncated=torch.tensor([not e for e in ended_eos]), sample_log_probs=sample_lp,
             loss_mask=loss_mask, metrics=metrics,
+            attempt_correct=None if outcomes is None else torch.tensor(
+                [o + [-1] * (self.cfg.retry_turns - len(o)) for o in outcomes], dtype=torch.long),
         )
 
 

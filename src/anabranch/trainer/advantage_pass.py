@@ -17,7 +17,7 @@ from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.ppl_position import ppl_position_on, ppl_position_shaping
 from anabranch.algorithms.ppo_value import response_values
-from anabranch.algorithms.reasonmaxxer import gate_inputs
+from anabranch.algorithms.prm_shaping import get_process_rewards
 from anabranch.algorithms.progrpo import answer_confidence, progrpo_advantages, progrpo_on, prompt_confidence
 from anabranch.algorithms.ucas import head_stats, ucas_advantages, ucas_on
 from anabranch.models.chunked_logprobs import supports_chunked_head
@@ -108,16 +108,18 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     if "ref_log_prob" in needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")
-        # ReasonMaxxer (algorithms/reasonmaxxer.py): the reference's entropies from the same pass give its gate.
+        # The reference's entropies from the same pass, when the objective reads them (registries.py).
         ref_ent = {} if "ref_entropy" in needs else None
         pre["ref_log_prob"], _ = rollout_forward(ref_model, rollout, micro_batch_size, temperature,
                                                  share_prefix=share_prompt_prefix,
                                                  micro_batch_tokens=micro_batch_tokens, entropy_out=ref_ent)
         if ref_ent is not None:
-            pre.update(gate_inputs(cfg, ref_ent["entropy"], mask))
+            pre["ref_entropy"] = ref_ent["entropy"]
 
     metrics: dict = {}
     token_rewards = token_level_rewards(rewards, mask)
+    if (process := get_process_rewards(rollout)) is not None:  # PRM-Clip/Delta's step rewards (reward.prm_shaping)
+        token_rewards = token_rewards + process.to(token_rewards.dtype) * mask
     beta = kl_controller.value if kl_controller is not None else cfg.kl_coef
     if "old_log_prob" in pre and "ref_log_prob" in pre:
         kl = kl_penalty(pre["old_log_prob"], pre["ref_log_prob"], cfg.kl_estimator) * mask

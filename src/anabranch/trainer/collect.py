@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from anabranch.algorithms.overlong import overlong_penalty
+from anabranch.algorithms.prm_shaping import get_process_rewards, set_process_rewards
 from anabranch.eval.accuracy import correct_flags, correctness_source
 from anabranch.rewards import score_detailed
 from anabranch.rewards.compose import commit_reward_states
@@ -64,9 +65,17 @@ def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int
     # RLPR: the policy's probability of each row's reference answer (one no-grad forward, only when configured)
     if any(s.meta.get("needs_policy_forward") for s in c.rewards):
         extra.update(rlpr_fields(c.rewards, c.model, c.tokenizer, rollout, rows, cfg.trainer.micro_batch_size))
+    if any(s.meta.get("process_reward") for s in c.rewards):  # a PRM's step scores (only when configured)
+        from anabranch.rewards.prm import prm_fields
+
+        extra.update(prm_fields(c.rewards, c.tokenizer, rollout, rows))
     scored = score_detailed(c.rewards, [rollout.prompts[g] for g in groups], rollout.completions, rows,
                             group_index=groups, extra_fields=extra)
     total, per_source = scored.total, scored.per_source
+    if "prm_step_scores" in extra:  # PRM-Clip/Delta: step rewards on the step-end tokens (algorithms/prm_shaping.py)
+        from anabranch.algorithms.prm_shaping import attach
+
+        scored.metrics.update(attach(c.rewards, cfg.reward, rollout, extra))
     a = cfg.algorithm
     if a.overlong_buffer > 0:
         pen = overlong_penalty(rollout.response_lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
@@ -223,7 +232,10 @@ def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
         prompts=[r.prompts[g] for g in groups], completions=[r.completions[i] for i in rows_idx],
         truncated=r.truncated[sel],
         sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel],
-        loss_mask=None if r.loss_mask is None else r.loss_mask[sel], metrics=dict(r.metrics))
+        loss_mask=None if r.loss_mask is None else r.loss_mask[sel],
+        attempt_correct=None if r.attempt_correct is None else r.attempt_correct[sel], metrics=dict(r.metrics))
+    if (prm := get_process_rewards(r)) is not None:  # PRM step rewards [B, R] (algorithms/prm_shaping.py)
+        set_process_rewards(rollout, prm[sel])
     return ScoredBatch(rollout, [batch.rows[i] for i in rows_idx], [batch.total[i] for i in rows_idx],
                        {k: [v[i] for i in rows_idx] for k, v in batch.per_source.items()}, batch.t_generate)
 
@@ -235,6 +247,16 @@ def _pad(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
         pad = torch.zeros(t.shape[0], width - t.shape[1], dtype=t.dtype)
         out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
     return torch.cat(out)
+
+
+def _attempts(parts: list) -> torch.Tensor | None:
+    """The rounds' per-attempt outcomes (``Rollout.attempt_correct``) stacked, padded with -1 (no attempt);
+    None unless every round has them."""
+    if any(p is None for p in parts):
+        return None
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.cat([p, torch.full((p.shape[0], width - p.shape[1]), -1, dtype=p.dtype)], dim=1)
+                      for p in parts])
 
 
 def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
@@ -257,7 +279,9 @@ def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
         group_index=torch.cat([r.group_index + o for r, o in zip(rs, offsets)]),
         prompts=[p for r in rs for p in r.prompts], completions=[c for r in rs for c in r.completions],
         truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp, loss_mask=loss_mask,
-        metrics=dict(rs[-1].metrics))
+        attempt_correct=_attempts([r.attempt_correct for r in rs]), metrics=dict(rs[-1].metrics))
+    if all(get_process_rewards(r) is not None for r in rs):  # PRM step rewards, re-right-padded as the responses
+        set_process_rewards(rollout, _pad([get_process_rewards(r) for r in rs], left=False))
     keys = batches[0].per_source.keys()
     return ScoredBatch(rollout, [x for b in batches for x in b.rows], [x for b in batches for x in b.total],
                        {k: [x for b in batches for x in b.per_source[k]] for k in keys})

@@ -89,7 +89,8 @@ def check_curation(t: TaskConfig) -> None:
         raise ConfigError(f"config keys 'task.curation_min_rate'={t.curation_min_rate} and 'task.curation_max_rate'="
                           f"{t.curation_max_rate}: no success rate k/{n} of task.curation_samples={n} samples lies "
                           "between them, so no prompt could be kept; widen them or change task.curation_samples")
-    for key, on in (("pairing", t.pairing), ("mixture", bool(t.mixture)), ("curriculum", t.curriculum != "none")):
+    # curriculum before mixture: a curriculum needs a mixture, so naming the mixture would hide the key that was set.
+    for key, on in (("pairing", t.pairing), ("curriculum", t.curriculum != "none"), ("mixture", bool(t.mixture))):
         if on:
             what = ("curation restricts training to its kept prompts and replaces the run's prompt sampler, which "
                     f"task.{key} also replaces" if t.curation == "low_likelihood" else "online filter drops prompts "

@@ -37,9 +37,11 @@ from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.guide_step import Guide
 from anabranch.trainer.scaffold_step import Scaffold
+from anabranch.trainer.ampo_step import AMPO
 from anabranch.trainer.rl_plus_step import RLPlus
 from anabranch.trainer.kdrl_step import KDRL
 from anabranch.trainer.srpo_step import SRPO
+from anabranch.trainer.spae_step import SPAE, check_spae_run
 from anabranch.trainer.ref_reset import RefReset, check_ref_reset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.run_dir import RunDir
@@ -72,6 +74,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
     check_scaffold_run(cfg)  # GHPO scaffolding's backend/tools/pairing: refused before any model loads
     check_srpo_run(cfg)  # SRPO with rollout.retry_turns: refused before any model loads
+    check_spae_run(cfg)  # SPAE with tools / rollout.retry_turns: refused before any model loads
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -94,9 +97,11 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
     guide = Guide.create(cfg, dist, c)  # Guide (trainer/guide_step.py): None unless algorithm.guide.enabled
     scaffold = Scaffold.create(cfg, dist, c)  # GHPO (trainer/scaffold_step.py): None unless algorithm.scaffold.enabled
+    ampo = AMPO.create(cfg, dist, c)  # AMPO (trainer/ampo_step.py): None unless algorithm.ampo.enabled
     rl_plus = RLPlus.create(cfg, dist, c)  # RL-PLUS (trainer/rl_plus_step.py): None unless algorithm.rl_plus.enabled
     kdrl = KDRL.create(cfg, dist, c)  # KDRL (trainer/kdrl_step.py): None unless algorithm.kdrl.teacher
     srpo = SRPO.create(cfg, dist, c)  # SRPO (trainer/srpo_step.py): None unless algorithm.srpo_coef > 0
+    spae = SPAE.create(cfg, dist, c)  # SPAE (trainer/spae_step.py): None unless algorithm.spae_coef > 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -177,6 +182,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             batch = batch if guide_step is None else guide_step.batch
             # Hint scaffolding (GHPO): all-fail groups sampled again with a growing solution prefix, trained in it
             batch = batch if scaffold is None else scaffold.step(c, batch, step)
+            # AMPO: all-fail groups get the teachers' correct solutions the student finds most likely, in place
+            ampo_step = None if ampo is None else ampo.step(c, batch)
+            batch = batch if ampo_step is None else ampo_step.batch
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
@@ -191,6 +199,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                      temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                                      micro_batch_tokens=micro_tokens, dist=dist.active)
+            # SPAE: probe π_old after each step of each response; step-potential term on the advantages
+            adv = adv if spae is None else spae.step(c.model, rollout, rows, adv, micro_tokens)
             train_rollout = filter_overlong(rollout, c.algo.cfg.overlong_filter)
             if cfg.rollout.void_turn_filter:  # SimpleTIR: void-turn trajectories leave the loss, not the advantages
                 train_rollout, void_metrics = c.backend.filter_void_turns(train_rollout)
@@ -209,6 +219,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             precomputed = precomputed if kd_step is None else kd_step.precomputed(precomputed)
             precomputed = precomputed if sr_step is None else sr_step.precomputed(precomputed)
             precomputed = precomputed if guide_step is None else guide_step.precomputed(precomputed)
+            precomputed = precomputed if ampo_step is None else ampo_step.precomputed(precomputed)
             metrics = policy_update(
                 dist.policy(c.model), c.optimizer, train_rollout,
                 adv.advantages if sr_step is None else sr_step.advantages(adv.advantages), rewards, c.algo,

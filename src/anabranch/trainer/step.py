@@ -27,6 +27,7 @@ from anabranch.algorithms.lp_reg import lp_reg_loss
 from anabranch.algorithms.rover import response_vocab_mean
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.guide import behaviour_old_log_prob
+from anabranch.algorithms.ampo import ampo_objective
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
@@ -143,14 +144,17 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
         old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
-    extras = {k: v.to(device) for k, v in pre.items()
-              if k in ("values", "returns", "old_vocab_mean", "reasonmaxxer_gate")}
+    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
+    if algo.precompute is not None:  # the objective's batch-wide inputs, over the tokens this update trains
+        extras.update(algo.precompute(cfg, pre, resp_mask, rewards, rollout.group_index))
     # DSDR's local term (algorithms/dsdr.py): per-row weights γ_i/N_C from the rollout's scoring.
     dsdr_w = pre.get("dsdr_weight") if cfg.dsdr_local_coef != 0 else None
     # KDRL (algorithms/kdrl.py, trainer/kdrl_step.py): the teacher's log-probs and each row's β_s·w_i.
     kd_lp, kd_w = pre.get("teacher_log_prob"), pre.get("kdrl_weight")
     # Guide (algorithms/guide.py, trainer/guide_step.py): the guided rows' log π_old(o_t | q, h, o_<t).
     guide_lp, guide_rows = pre.get("guide_behaviour_log_prob"), pre.get("guide_rows")
+    # AMPO (algorithms/ampo.py, trainer/ampo_step.py): the injected teacher rows, trained with the shaped term.
+    ampo_rows = pre.get("ampo_rows")
     if kd_lp is not None:
         kd_lp, kd_w = kd_lp.to(device), kd_w.to(device)
     # SRPO (algorithms/srpo.py, trainer/srpo_step.py): the self-teacher's log-probs and each token's β·ω (failed rows).
@@ -221,7 +225,11 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     adv = er_pass.shape(adv, fo.hidden, m, mb.rows, rollout.prompt_ids.shape[1])
                 adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
                 metrics.update(mismatch)
-                loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
+                if ampo_rows is None:
+                    loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
+                else:  # AMPO: the objective on the on-policy rows, −f(π_θ)·Â on the injected teacher rows
+                    loss, obj_metrics = ampo_objective(algo.objective, fo.log_probs, old, adv, m, ctx,
+                                                       ampo_rows[mb.rows], cfg.ampo.shaping_gamma, agg)
                 metrics.update(obj_metrics)
                 for aux_loss in algo.aux_losses:
                     aux, aux_metrics = aux_loss(ctx, m)

@@ -1,0 +1,116 @@
+"""PRM-Clip / PRM-Delta: bounded step rewards from a process reward model (``reward.prm_shaping``).
+
+Gao, Xu, Ye, Liu, He, Fu, Mei, Wang, Wu 2024, "On Designing Effective RL Reward at Training Time for
+LLM Reasoning" (arXiv 2410.15115). Adding raw PRM scores PRM_k ∈ [0, 1] of the K steps of a solution
+as dense rewards lets the policy farm reward by writing many correct-looking but unnecessary steps
+(the return grows with K). The paper bounds the return of any trajectory:
+
+* Clip:   r_k = min(PRM_k − η, 0)                       every step, the last included: r_k ≤ 0, so extra
+          steps can only cost reward (a step the PRM rates above η is neutral);
+* Delta:  r_k = PRM_k − PRM_{k+1} for k < K,  r_K = 0      telescoping: the return from step k is
+          PRM_k − PRM_K ∈ [−1, 1] whatever K is;
+* clip_delta: Delta applied to the clipped scores c_k = min(PRM_k − η, 0).
+
+Each r_k, times the ``prm`` reward function's ``weight`` (α), is put on the token where step k ends, and
+added to the token-level rewards in which the outcome (success) reward sits on the last response token:
+r_t = α Σ_k [t = end_k] r_k + [t = last] r_outcome (− β KL_t with ``kl_in=reward``). Estimators that
+read per-token rewards use them: PPO's GAE (``advantage=gae``, as in the paper, which trains with PPO)
+and REINFORCE++ (``advantage=reinforce_pp``, discounted returns). Sequence-level estimators (GRPO,
+RLOO, ...) would only see the row sum, which is not the paper's method, so they are refused.
+
+Assumed where the paper's text was not available to us (docs/algorithms.md lists these): the last
+step's Delta reward is 0 (the paper's figure drops the last step's score; the success reward alone
+sits there); clip_delta clips first, then takes differences; η defaults to 0.5 (not the paper's value).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "clip", "delta", "clip_delta")
+
+
+def step_rewards(scores: list[float], mode: str, eta: float = 0.5) -> list[float]:
+    """r_k of one completion's PRM scores (see the module docstring)."""
+    if mode == "none" or not scores:
+        return [0.0] * len(scores)
+    if mode not in MODES:
+        raise ValueError(f"reward.prm_shaping must be one of {MODES} (got {mode!r})")
+    s = [min(float(x) - eta, 0.0) for x in scores] if mode in ("clip", "clip_delta") else [float(x) for x in scores]
+    if mode == "clip":
+        return s
+    return [s[k] - s[k + 1] for k in range(len(s) - 1)] + [0.0]
+
+
+def process_token_rewards(step_scores: list[list[float]], step_ends: list[list[int]], width: int, mode: str,
+                          eta: float = 0.5, coef: float = 1.0) -> torch.Tensor:
+    """[B, width]: α·r_k at each step's end column (added where two steps end on one token)."""
+    out = torch.zeros(len(step_scores), width)
+    for i, (scores, ends) in enumerate(zip(step_scores, step_ends)):
+        for r, t in zip(step_rewards(scores, mode, eta), ends):
+            out[i, t] += coef * r
+    return out
+
+
+# The per-token rewards travel on the rollout (an attribute: Rollout has no field for them), set by
+# trainer/collect.py and carried by its select_groups/concat_batches; absent unless a PRM is configured.
+_ATTR = "process_token_rewards"
+
+
+def set_process_rewards(rollout, token_rewards: torch.Tensor | None) -> None:
+    if token_rewards is not None:
+        setattr(rollout, _ATTR, token_rewards)
+
+
+def get_process_rewards(rollout) -> torch.Tensor | None:
+    return getattr(rollout, _ATTR, None)
+
+
+def attach(sources, reward_cfg, rollout, fields: dict) -> dict:
+    """Put the shaped step rewards of ``fields`` (rewards/prm.py's) on ``rollout``; returns metrics."""
+    if reward_cfg.prm_shaping == "none" or "prm_step_scores" not in fields:
+        return {}
+    src = next(s for s in sources if s.meta.get("process_reward"))
+    width = rollout.response_ids.shape[1]
+    tok = process_token_rewards(fields["prm_step_scores"], fields["prm_step_ends"], width,
+                                reward_cfg.prm_shaping, reward_cfg.prm_eta, src.weight)
+    set_process_rewards(rollout, tok)
+    return {"prm/step_reward_sum_mean": tok.sum(-1).mean().item()}
+
+
+TOKEN_ESTIMATORS = ("gae", "reinforce_pp")
+
+
+def check_config(cfg) -> None:
+    """At config load: the shaping, its PRM source and the estimator agree; combinations that rebuild
+    the rollout (and so would lose its per-token rewards) or whose responses are not the policy's
+    contiguous tokens are refused."""
+    from anabranch.config import ConfigError
+
+    shaping = cfg.reward.prm_shaping
+    prms = [f for f in cfg.reward.functions if getattr(f, "name", None) == "prm"]
+    if shaping not in MODES:
+        raise ConfigError(f"config key 'reward.prm_shaping' must be one of {', '.join(MODES)} (got {shaping!r})")
+    if shaping == "none":
+        if prms:
+            raise ConfigError("reward.functions has 'prm' but reward.prm_shaping=none: the PRM's step scores would "
+                              "be computed and never used; set reward.prm_shaping=clip|delta|clip_delta")
+        return
+    if len(prms) != 1:
+        raise ConfigError(f"reward.prm_shaping={shaping} needs exactly one 'prm' entry in reward.functions "
+                          f"(found {len(prms)}), with params.model_path a local PRM folder")
+    if cfg.algorithm.advantage not in TOKEN_ESTIMATORS:
+        raise ConfigError(f"reward.prm_shaping={shaping} puts rewards on step-end tokens, which only the token-level "
+                          f"estimators read (algorithm.advantage=gae or reinforce_pp); algorithm.advantage="
+                          f"{cfg.algorithm.advantage} would only re-sum them per sequence")
+    if not cfg.reward.prm_eta == cfg.reward.prm_eta or abs(cfg.reward.prm_eta) == float("inf"):
+        raise ConfigError(f"config key 'reward.prm_eta' must be a finite number (got {cfg.reward.prm_eta!r})")
+    refused = [(bool(cfg.rollout.tools), "rollout.tools"), (cfg.rollout.retry_turns >= 2, "rollout.retry_turns"),
+               (cfg.rollout.extra_rollouts != "none", "rollout.extra_rollouts"),
+               (cfg.algorithm.guide.enabled, "algorithm.guide.enabled"),
+               (cfg.algorithm.scaffold.enabled, "algorithm.scaffold.enabled"),
+               (cfg.task.curation == "greedy_wrong", "task.curation=greedy_wrong")]
+    for bad, key in refused:
+        if bad:
+            raise ConfigError(f"reward.prm_shaping={shaping} cannot be used with {key}: its rollouts are rebuilt or "
+                              "hold tokens the policy did not sample, so the step-end positions would not match")

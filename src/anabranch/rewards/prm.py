@@ -1,0 +1,179 @@
+"""Process reward model (PRM): a local Hugging Face causal LM scores every reasoning step of a completion.
+
+Math-Shepherd style (Wang et al. 2024, "Math-Shepherd: Verify and Reinforce LLMs Step-by-step without
+Human Annotations"): the completion is split into steps at ``step_delimiter`` ("\\n\\n"), each step is
+followed by a ``step_tag`` token in the PRM's input, and step k's score is the PRM's probability of
+the ``good_token`` label against the ``bad_token`` label read at the k-th tag:
+
+    PRM_k = softmax(z_good, z_bad)[good] = σ(z_good − z_bad),   z = the PRM's logits at tag k
+
+(the logits at the tag predict the label that follows it). The PRM's input is the row's ``question``
+field (else the prompt text), then "\\n", then the steps, each as ``step text + " " + tag + "\\n"``; tag,
+good and bad must each be exactly one token of the PRM's tokenizer.
+
+The scores are computed by the trainer (``trainer/collect.py`` calls :func:`prm_fields`), batched,
+without gradients, ``batch_size`` rows at a time; each step's end is also located as a token position
+of the policy's response, so that ``algorithms/prm_shaping.py`` (``reward.prm_shaping``) can put step
+rewards there. The registered ``prm`` reward itself adds 0 to the sequence reward: its signal goes on
+the step-end tokens (its ``weight`` scales the step rewards), and its metrics report the scores.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+
+from anabranch.rewards.guard import RewardOutput
+from anabranch.rewards.registry import REWARDS
+
+FIELDS = ("prm_step_scores", "prm_step_ends")
+DEFAULTS = {"step_delimiter": "\n\n", "step_tag": "ки", "good_token": "+", "bad_token": "-", "batch_size": 8,
+            "device": "cpu"}
+_lock = threading.Lock()
+
+
+def split_steps(text: str, delimiter: str = "\n\n") -> list[tuple[int, int]]:
+    """(start, end) character spans of the steps of ``text``: the pieces between delimiters with their
+    trailing whitespace cut; pieces that are only whitespace are not steps."""
+    if not delimiter:
+        raise ValueError("reward.functions[prm].params.step_delimiter must be a non-empty string")
+    spans, start = [], 0
+    for piece in text.split(delimiter):
+        body = piece.rstrip()
+        if body.strip():
+            spans.append((start, start + len(body)))
+        start += len(piece) + len(delimiter)
+    return spans
+
+
+def step_end_tokens(decode, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """For each step span, the index of the first token after which the decoded prefix reaches the
+    step's last character (binary search over prefix decodes: K·log T decodes, not T)."""
+    ends = []
+    for _, end in spans:
+        lo, hi = 0, len(ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(ids[:mid + 1])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        ends.append(lo)
+    return ends
+
+
+def single_token(tok, text: str, key: str) -> int:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"reward.functions[prm].params.{key}={text!r} must be exactly one token of the PRM's "
+                         f"tokenizer (it is {len(ids)}: {ids})")
+    return ids[0]
+
+
+def prm_inputs(tok, question: str, steps: list[str], tag_id: int) -> tuple[list[int], list[int]]:
+    """The PRM's token ids for one completion and the positions of its step tags."""
+    ids = tok(question + "\n", add_special_tokens=False)["input_ids"]
+    tags = []
+    for step in steps:
+        ids = ids + tok(step + " ", add_special_tokens=False)["input_ids"]
+        tags.append(len(ids))
+        ids = ids + [tag_id] + tok("\n", add_special_tokens=False)["input_ids"]
+    return ids, tags
+
+
+@lru_cache(maxsize=2)
+def _load(model_path: str, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    return model, tok
+
+
+def score_steps(model, tok, questions: list[str], steps: list[list[str]], step_tag: str, good_token: str,
+                bad_token: str, batch_size: int = 8) -> list[list[float]]:
+    """PRM_k for every step of every completion: right-padded batches of ``batch_size`` rows, no grad."""
+    import torch
+
+    tag, good, bad = (single_token(tok, t, k) for t, k in
+                      ((step_tag, "step_tag"), (good_token, "good_token"), (bad_token, "bad_token")))
+    device = next(model.parameters()).device
+    built = [prm_inputs(tok, q, s, tag) for q, s in zip(questions, steps)]
+    out: list[list[float]] = []
+    with _lock, torch.no_grad():  # one PRM shared by threads
+        for s in range(0, len(built), batch_size):
+            chunk = built[s:s + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, (row, _) in enumerate(chunk):
+                ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            for i, (_, tags) in enumerate(chunk):
+                z = logits[i, tags][:, [good, bad]].float()  # [K, 2]
+                out.append(torch.softmax(z, -1)[:, 0].cpu().tolist())
+    return out
+
+
+def prm_fields(sources, tokenizer, rollout, rows) -> dict[str, list]:
+    """``prm_step_scores`` (PRM_k per step) and ``prm_step_ends`` (the response column where each step
+    ends) per completion, when a ``prm`` reward is configured; steps are split in the policy's own decode
+    of the response tokens (special tokens skipped), so that the positions match its tokens."""
+    src = next((s for s in sources if s.meta.get("process_reward")), None)
+    if src is None:
+        return {}
+    p = {**DEFAULTS, **src.params}
+    model, prm_tok = _load(p["model_path"], p["device"])
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    groups = rollout.group_index.tolist()
+    questions, steps, ends = [], [], []
+    for i, (resp, m) in enumerate(zip(rollout.response_ids, rollout.trained_mask)):
+        ids = resp[m.bool()].tolist()  # single-turn: the masked tokens are columns 0..L−1
+        text = decode(ids)
+        spans = split_steps(text, p["step_delimiter"])
+        steps.append([text[a:b] for a, b in spans])
+        ends.append(step_end_tokens(decode, ids, spans) if ids else [])
+        q = rows[i].get("question") if isinstance(rows[i], dict) else None
+        questions.append(str(q) if q is not None else rollout.prompts[groups[i]])
+    todo = [i for i in range(len(steps)) if steps[i]]
+    scored = score_steps(model, prm_tok, [questions[i] for i in todo], [steps[i] for i in todo], p["step_tag"],
+                         p["good_token"], p["bad_token"], int(p["batch_size"])) if todo else []
+    scores: list[list[float]] = [[] for _ in steps]
+    for i, s in zip(todo, scored):
+        scores[i] = s
+    return {"prm_step_scores": scores, "prm_step_ends": ends}
+
+
+def check_params(params: dict) -> None:
+    """The run's start checks these (rewards/compose.py), before any model loads."""
+    from anabranch.config import ConfigError
+
+    if not params.get("model_path"):
+        raise ConfigError("reward.functions[prm].params.model_path is required (a local Hugging Face model folder)")
+    unknown = set(params) - set(DEFAULTS) - {"model_path"}
+    if unknown:
+        raise ConfigError(f"reward.functions[prm].params: unknown keys {sorted(unknown)} (known: model_path, "
+                          f"{', '.join(DEFAULTS)})")
+    for key in ("step_delimiter", "step_tag", "good_token", "bad_token"):
+        if not isinstance(params.get(key, DEFAULTS[key]), str) or not params.get(key, DEFAULTS[key]):
+            raise ConfigError(f"reward.functions[prm].params.{key} must be a non-empty string")
+    bs = params.get("batch_size", 8)
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise ConfigError(f"reward.functions[prm].params.batch_size must be an integer >= 1 (got {bs!r})")
+
+
+@REWARDS.register("prm", in_process=True, process_reward=True, needs_fields=FIELDS, check_params=check_params)
+def prm_reward(prompts, completions, prm_step_scores=None, prm_step_ends=None, **_):
+    """0 for every completion (the step rewards go on the step-end tokens, ``reward.prm_shaping``);
+    metrics: the mean PRM score of a step, of a completion's first and last step, and steps per completion."""
+    if prm_step_scores is None:
+        raise ValueError("the prm reward needs the PRM's step scores, which only the trainer computes "
+                         "(with reward.prm_shaping=clip|delta|clip_delta)")
+    flat = [s for row in prm_step_scores for s in row]
+    rows = [row for row in prm_step_scores if row]
+    metrics = {"steps_mean": len(flat) / max(len(prm_step_scores), 1)}
+    if flat:
+        metrics.update(step_score_mean=sum(flat) / len(flat), first_score_mean=sum(r[0] for r in rows) / len(rows),
+                       last_score_mean=sum(r[-1] for r in rows) / len(rows))
+    return RewardOutput([0.0] * len(completions), metrics)

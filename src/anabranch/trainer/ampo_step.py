@@ -1,0 +1,199 @@
+"""AMPO in the training loop (``algorithm.ampo.enabled``; algorithms/ampo.py has the method).
+
+Each step, after the rollouts are scored: for every group with no correct sample, the row's teacher
+solutions (``algorithm.ampo.solutions_column``) are scored by the run's rewards against that row; the
+correct ones are tokenized after the group's own prompt tokens (the same context as its samples) and
+ranked by the student's mean token log-prob (one no-gradient chunked forward, ``rollout_forward``);
+the top ``num_replace`` replace the group's last samples. ``precomputed["ampo_rows"]`` marks them for
+``policy_update`` (trainer/step.py), which trains them with the shaped off-policy term.
+
+The batch keeps its size (rows are replaced, never added), so under plain DDP each rank guides its
+own groups and no rank waits on another; the logged counts are summed over the ranks:
+``ampo/guided_groups`` (groups that got teacher rows this step), ``ampo/no_candidate_groups`` (all-fail
+groups without a correct teacher solution) and ``ampo/selected_logprob`` (mean over the injected rows
+of the student's mean token log-prob, 0 when none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, select_top
+from anabranch.algorithms.guide import all_fail_groups
+from anabranch.config import Config, ConfigError
+from anabranch.eval.accuracy import batch_correct
+from anabranch.rewards import score_detailed
+from anabranch.rewards.compose import discard_reward_observations
+from anabranch.rewards.token_stats import trainer_fields
+from anabranch.rollout.base import Rollout
+from anabranch.trainer.collect import ScoredBatch, concat_batches, select_groups
+
+
+@dataclasses.dataclass
+class AMPOStep:
+    """One step's outcome: the batch with the teacher rows in place and which rows they are."""
+
+    batch: ScoredBatch
+    injected: torch.Tensor | None   # [B] bool; None when nothing was injected (on every rank)
+
+    def precomputed(self, pre: dict) -> dict:
+        return pre if self.injected is None else {**pre, "ampo_rows": self.injected}
+
+
+def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt: str,
+                      texts: list[str], max_tokens: int) -> Rollout:
+    """One group of ``texts`` as responses after the group's prompt tokens (``prompt_ids``/``prompt_mask``:
+    [P], its left-padded row): each ``text + eos``, cut to ``max_tokens`` (then truncated, without eos)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    seqs, truncated = [], []
+    for t in texts:
+        ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+        cut = len(ids) + (eos is not None) > max_tokens
+        seqs.append(ids[:max_tokens] if cut else ids + ([eos] if eos is not None else []))
+        truncated.append(cut)
+    width = max(max(len(s) for s in seqs), 1)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    n = len(texts)
+    return Rollout(prompt_ids=prompt_ids[None].expand(n, -1).clone(), prompt_mask=prompt_mask[None].expand(n, -1).clone(),
+                   response_ids=ids, response_mask=mask, group_index=torch.zeros(n, dtype=torch.long),
+                   prompts=[prompt], completions=list(texts), truncated=torch.tensor(truncated, dtype=torch.bool))
+
+
+def take_rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
+    """The rows ``keep`` of a one-group batch (its group stays 0)."""
+    r, sel = batch.rollout, torch.tensor(keep, dtype=torch.long)
+    # Every per-row field, whatever the Rollout holds (tensors [B, ...] indexed, completions picked).
+    fields = {}
+    for f in dataclasses.fields(r):
+        v = getattr(r, f.name)
+        if f.name == "completions":
+            v = [v[i] for i in keep]
+        elif isinstance(v, torch.Tensor):
+            v = v[sel]
+        elif isinstance(v, (list, dict)):
+            v = type(v)(v)
+        fields[f.name] = v
+    rollout = Rollout(**fields)
+    return ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
+                       {k: [v[i] for i in keep] for k, v in batch.per_source.items()}, batch.t_generate)
+
+
+class AMPO:
+    """What the loop holds for AMPO; :meth:`step` acts on each scored batch."""
+
+    def __init__(self, cfg: Config, dist=None):
+        self.cfg, self.a, self.dist = cfg, cfg.algorithm.ampo, dist
+        self.world_size = getattr(dist, "world_size", 1) or 1
+
+    @classmethod
+    def create(cls, cfg: Config, dist, c) -> "AMPO | None":
+        """None unless ``algorithm.ampo.enabled``; refuses FSDP/DeepSpeed and training data without any
+        teacher solution in the column (before any work)."""
+        if not cfg.algorithm.ampo.enabled:
+            return None
+        from anabranch.trainer.distributed import require_plain_ddp
+
+        require_plain_ddp(dist, "algorithm.ampo.enabled", "AMPO's selection forward runs on a varying number of "
+                          "teacher solutions on each rank, which sharded engines would wait on",
+                          "algorithm.ampo.enabled=false")
+        column = cfg.algorithm.ampo.solutions_column
+        if not any(candidate_texts(r, column) for r in c.train_rows):
+            raise ConfigError(f"algorithm.ampo.solutions_column={column!r}: no training row has a teacher solution "
+                              f"there (a list of texts or a text; the first row's fields: {sorted(c.train_rows[0])}); "
+                              "name the column that holds them, or set algorithm.ampo.enabled=false")
+        return cls(cfg, dist)
+
+    def candidates(self, c, batch: ScoredBatch, g: int, first: int):
+        """Group ``g``'s correct teacher solutions as a scored one-group batch (None when there is none)."""
+        row, prompt = batch.rows[first], batch.rollout.prompts[g]
+        texts = candidate_texts(row, self.a.solutions_column)
+        if not texts:
+            return None
+        r = candidate_rollout(c.tokenizer, batch.rollout.prompt_ids[first], batch.rollout.prompt_mask[first], prompt,
+                              texts, self.cfg.rollout.max_new_tokens)
+        extra = trainer_fields(c.rewards, c.model, r, self.cfg.trainer.micro_batch_size)
+        if any(src.meta.get("needs_policy_forward") for src in c.rewards):  # RLPR's probability reward, as the samples'
+            from anabranch.rewards.rlpr import rlpr_fields
+
+            extra.update(rlpr_fields(c.rewards, c.model, c.tokenizer, r, [row] * len(texts),
+                                     self.cfg.trainer.micro_batch_size))
+        scored = score_detailed(c.rewards, [prompt] * len(texts), texts, [row] * len(texts),
+                                group_index=[g] * len(texts), extra_fields=extra)
+        per_source = {k: list(scored.per_source.get(k, [0.0] * len(texts))) for k in batch.per_source}
+        cand = ScoredBatch(r, [row] * len(texts), list(scored.total), per_source)
+        ok = batch_correct(cand, c.rewards)
+        keep = [i for i, v in enumerate(ok) if v == 1.0]
+        return take_rows(cand, keep) if keep else None
+
+    def step(self, c, batch: ScoredBatch) -> AMPOStep:
+        groups = batch.rollout.group_index
+        failed = all_fail_groups(torch.tensor(batch_correct(batch, c.rewards)), groups)
+        first = {g: int((groups == g).nonzero()[0]) for g in failed}
+        found = {g: cand for g in failed if (cand := self.candidates(c, batch, g, first[g])) is not None}
+        # Teacher texts are not the policy's answers: stateful rewards (OLR, LASER-D) must not learn from them.
+        discard_reward_observations(c.rewards)
+        chosen, lps = {}, {}
+        if found:
+            pool = concat_batches(list(found.values()))
+            order = list(found)
+            from anabranch.trainer.advantage_pass import rollout_forward
+
+            lp, _ = rollout_forward(c.model, pool.rollout, self.cfg.trainer.micro_batch_size,
+                                    self.cfg.rollout.temperature)
+            scores = mean_log_prob(lp, pool.rollout.response_mask.float())
+            for k, g in enumerate(order):
+                rows = (pool.rollout.group_index == k).nonzero().flatten().tolist()
+                s = [float(scores[i]) for i in rows]
+                top = (select_top(s, [True] * len(s), self.a.num_replace) if self.a.selection == "mean_logprob"
+                       else list(range(min(self.a.num_replace, len(s)))))
+                chosen[g] = take_rows(found[g], top)
+                lps[g] = [lp[rows[i]] for i in top], [s[i] for i in top]
+        out, injected, picked = batch, None, []
+        if chosen:
+            out, injected = self.replace(batch, chosen, {g: v[0] for g, v in lps.items()})
+            picked = [x for g in chosen for x in lps[g][1]]
+        counts = torch.tensor([float(len(chosen)), float(len(failed) - len(found)), float(sum(picked)),
+                               float(len(picked))], dtype=torch.float64)
+        if self.world_size > 1:  # global numbers on every rank, and whether any rank injected
+            counts = self.dist.all_reduce_sum(counts)
+        n_guided, n_none, lp_sum, n_rows = counts.tolist()
+        if n_rows > 0 and injected is None:  # another rank injected: every rank passes the same keys
+            injected = torch.zeros(len(out.rows), dtype=torch.bool)
+        out.metrics = {**out.metrics, "ampo/guided_groups": n_guided, "ampo/no_candidate_groups": n_none,
+                       "ampo/selected_logprob": lp_sum / max(n_rows, 1.0)}
+        return AMPOStep(out, injected)
+
+    def replace(self, batch: ScoredBatch, chosen: dict, lps: dict):
+        """``batch`` with each chosen group's last rows replaced by its teacher rows; (batch, [B] injected)."""
+        parts, flags = [], []
+        for g in range(len(batch.rollout.prompts)):
+            own = select_groups(batch, [g])
+            if g not in chosen:
+                parts.append(own)
+                flags += [False] * len(own.rows)
+                continue
+            teach = chosen[g]
+            k = min(len(teach.rows), len(own.rows))
+            teach = take_rows(teach, list(range(k)))
+            if own.rollout.sample_log_probs is not None:  # the student's own log-probs stand for the sampler's
+                w = teach.rollout.response_ids.shape[1]
+                teach.rollout.sample_log_probs = torch.stack([lp[:w] for lp in lps[g][:k]]).to(
+                    own.rollout.sample_log_probs.dtype)
+            if own.rollout.loss_mask is not None:
+                teach.rollout.loss_mask = torch.ones_like(teach.rollout.response_mask)
+            kept = take_rows(own, list(range(len(own.rows) - k)))
+            parts.append(concat_batches([kept, teach]) if kept.rows else teach)
+            parts[-1].rollout.group_index = torch.zeros(len(own.rows), dtype=torch.long)
+            parts[-1].rollout.prompts = list(own.rollout.prompts)
+            flags += [False] * len(kept.rows) + [True] * k
+        out = concat_batches(parts)
+        out.metrics, out.t_generate = dict(batch.metrics), batch.t_generate
+        out.rollout.metrics = dict(batch.rollout.metrics)
+        return out, torch.tensor(flags, dtype=torch.bool)
