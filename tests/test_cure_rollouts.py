@@ -335,6 +335,14 @@ def test_good_config_and_sharded_refusal():
         Distributed.check_sharded(SimpleNamespace(sharded=True), SimpleNamespace(cfg=cfg))
 
 
+@pytest.mark.parametrize("name", ["flowrl", "fdpg", "brain"])
+def test_losses_matching_a_distribution_over_whole_responses_are_refused(name):
+    # Branch rows are not draws from π_old(y|x): FlowRL's log Z(x), f-DPG's Ẑ(x) and BRAIn's α would be wrong.
+    with pytest.raises(ConfigError, match=f"extra_rollouts=cure is not supported for algorithm.loss={name}"):
+        load_config(None, [f"algorithm.name={name}", "rollout.extra_rollouts=cure", "rollout.n=16"])
+    load_config(None, [f"algorithm.name={name}", "rollout.extra_rollouts=dars"])  # DARS's extra samples are plain draws
+
+
 # ----------------------------------------------------------------------------- a short run
 
 def test_two_steps_on_the_tiny_model(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):

@@ -351,10 +351,6 @@ def validate(cfg: Config) -> None:
         from anabranch.trainer.cure_rollouts import check_config as check_cure
 
         check_cure(cfg)
-    if cfg.algorithm.loss == "brain":  # BRAIn's α needs draws from π_old(y|x): CURE's branches are not
-        from anabranch.algorithms.brain import check_brain_run
-
-        check_brain_run(cfg)
     if cfg.algorithm.guide.enabled:  # Guide (algorithms/guide.py): backend, tools and pairing it cannot take
         from anabranch.algorithms.guide import check_run as check_guide_run
 

@@ -40,7 +40,7 @@ self-normalized KL Σ α log(α/γ) on the samples, 0 iff γ = α (logged as ``b
 - ``algorithm.kl_coef > 0`` is refused (π_ref is already the prior of the target); other advantage
   estimators are refused (α needs r up to a per-prompt shift); rollout.n >= 2 is required by grpo's
   group registration (trainer/components.py). ``rollout.extra_rollouts=cure`` is refused at load
-  (``check_brain_run``): its branch rows are an original's prefix plus a re-sampled rest, not draws from
+  (``trainer.cure_rollouts.check_config``, as for FlowRL and f-DPG): its branch rows are an original's prefix plus a re-sampled rest, not draws from
   q = π_old(y|x), so the self-normalized α would weight them wrongly. DARS's extra samples are plain draws
   from q for their prompt and are accepted (the group is just larger).
 - Added terms, accepted as the user's choice: ``entropy_coef``, ``siren_coef`` and KDRL
@@ -64,23 +64,14 @@ import torch
 
 from anabranch.algorithms.aggregation import group_logsumexp
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
-from anabranch.config import AlgorithmConfig, Config, ConfigError
+from anabranch.config import AlgorithmConfig, ConfigError
+
 
 def check_brain(cfg: AlgorithmConfig) -> str | None:
     """brain_beta's range (its refusal with another loss is config_loading's _GATED, at load)."""
     if not (cfg.brain_beta > 0 and math.isfinite(cfg.brain_beta)):
         return f"algorithm.brain_beta must be positive and finite, the temperature of exp(r/β) (got {cfg.brain_beta!r})"
     return None
-
-
-def check_brain_run(cfg: Config) -> None:
-    """Cross-section refusals at config load: rollouts whose rows are not draws from q = π_old(y|x)."""
-    if cfg.rollout.extra_rollouts == "cure":
-        raise ConfigError(
-            "rollout.extra_rollouts=cure is not supported for algorithm.loss=brain: CURE's branch rows keep an "
-            "original's prefix up to a critical token and re-sample only the rest, so they are not draws from "
-            "q = π_old(y|x) and the self-normalized posterior weights α ∝ π_ref·exp(r/β)/q would be wrong; set "
-            "rollout.extra_rollouts=none (or dars) or choose another algorithm.loss")
 
 
 def brain_needs(cfg: AlgorithmConfig) -> tuple[str, ...]:

@@ -242,6 +242,11 @@ def cure_generate(c, prompts: list[str], cfg) -> Rollout:
     return out
 
 
+# Losses that match a distribution over whole responses y ~ π(·|x) from samples of π_old(·|x): FlowRL's
+# trajectory balance with log Z(x), f-DPG's group estimate of Z(x), BRAIn's self-normalized posterior.
+TARGETS_OVER_WHOLE_RESPONSES = ("flowrl", "fdpg", "brain")
+
+
 def check_config(cfg) -> None:
     """CURE's key ranges and refused combinations (called from config_loading.validate)."""
     from anabranch.config import ConfigError
@@ -269,6 +274,13 @@ def check_config(cfg) -> None:
         (r.min_new_tokens == 0, "rollout.min_new_tokens", "must be 0 with rollout.extra_rollouts=cure: the branch "
          "sampler has no per-row minimum length"),
     ]
+    if cfg.algorithm.loss in TARGETS_OVER_WHOLE_RESPONSES:
+        raise ConfigError(
+            f"rollout.extra_rollouts=cure is not supported for algorithm.loss={cfg.algorithm.loss}: its target is a "
+            "distribution over whole responses to x, estimated from draws of π_old(y|x), but CURE's branch rows keep "
+            "an original's prefix up to a critical token and re-sample only the rest, so they are not such draws "
+            "(the weights or the partition function would be those of another prompt, x + prefix); set "
+            "rollout.extra_rollouts=none (or dars) or choose another algorithm.loss")
     for ok, key, why in checks:
         if not ok:
             node = cfg
