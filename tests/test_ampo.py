@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from anabranch import load_config, train
-from anabranch.algorithms.ampo import (ampo_objective, candidate_texts, check_ampo, mean_log_prob, off_policy_loss_mat,
+from anabranch.algorithms.ampo import (ampo_objective, candidate_texts, check_ampo, check_run, mean_log_prob, off_policy_loss_mat,
                                        select_top, shaped_prob)
 from anabranch.algorithms.resolve import resolve_algorithm
 from anabranch.config import Config, ConfigError
 from anabranch.config_algorithm_options import AMPOConfig
 from anabranch.rewards.registry import REWARDS
-from anabranch.trainer.ampo_step import AMPO
+from anabranch.trainer.ampo_step import AMPO, candidate_rollout, stop_token
 from anabranch.trainer.step import LossContext
 from test_train_e2e import tiny_overrides
 
@@ -34,10 +34,10 @@ def test_selection_and_candidates_by_hand():
     lp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.1, 0.1]]))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert torch.allclose(mean_log_prob(lp, mask), torch.tensor([(math.log(0.5) + math.log(0.25)) / 2, math.log(0.1)]))
-    # The best eligible ones, best first; an ineligible (wrong) candidate is never picked, however likely.
-    assert select_top([-1.0, -0.2, -3.0, -0.5], [True, False, True, True], 2) == [3, 0]
-    assert select_top([-1.0, -1.0], [True, True], 1) == [0]  # ties: column order
-    assert select_top([0.0], [False], 2) == []
+    # The best ones, best first (the candidates are the correct ones already).
+    assert select_top([-1.0, -0.2, -3.0, -0.5], 2) == [1, 3]
+    assert select_top([-1.0, -1.0], 1) == [0]  # ties: column order
+    assert select_top([-2.0], 2) == [0] and select_top([], 2) == []
 
 
 def test_shaped_loss_and_gradient_against_hand_values():
@@ -161,6 +161,62 @@ def test_injected_rows_carry_the_students_log_probs_and_reach_the_update(tiny_mo
     assert none.batch.metrics["ampo/guided_groups"] == 0
 
 
+def test_teacher_rows_end_with_the_chat_end_of_turn_not_the_tokenizers_eos():
+    from anabranch.models.tiny import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.eos_token = "<pad>"  # an EOS (id 0) other than the template's end-of-turn <|im_end|> (id 2)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (tok.eos_token_id, end) == (0, 2)
+    # Both stop the sampler: under the chat template the policy ends a turn with <|im_end|>.
+    assert stop_token(tok, [0, 2], chat=True) == 2
+    assert stop_token(tok, [0, 2], chat=False) == 0          # plain prompts: the tokenizer's EOS
+    assert stop_token(tok, [0], chat=True) == 0              # <|im_end|> would not stop the sampler
+    assert stop_token(tok, [5, 7], chat=False) == 5          # EOS not a stop id: the first stop id
+    r = candidate_rollout(tok, torch.tensor([0, 9]), torch.tensor([0, 1]), "p", ["ab", "abcdef"], 4, end)
+    assert tokens(r.response_ids[0], r.response_mask[0]) == tok("ab", add_special_tokens=False)["input_ids"] + [2]
+    assert r.truncated.tolist() == [False, True] and 2 not in tokens(r.response_ids[1], r.response_mask[1])
+
+
+def test_candidates_get_the_overlong_penalty_and_pre_accuracy_is_the_policys(tiny_model_dir, write_jsonl, tmp_path):
+    from anabranch.trainer.collect import generate_scored
+
+    # L_max = 8, buffer 4: a length of 7 ("12345 " + end) costs (4 − 7)/4 = −0.75, of 6 ("12345" + end) −0.5.
+    cfg, c, fail, free = components(tiny_model_dir, write_jsonl, tmp_path, **{
+        "algorithm.overlong_buffer": 4, "algorithm.ampo.selection": "order"})
+    batch = generate_scored(c, [fail[0], free[0]], cfg, step=1)
+    # A chat model whose EOS is not its end-of-turn (both stop the sampler): the teacher rows end as a turn does.
+    c.tokenizer.eos_token, c.backend.eos_ids = "<pad>", [0, 2]
+    out = AMPO.create(cfg, None, c).step(c, batch)
+    assert out.injected.tolist() == [False, True, True, False, False, False]
+    r = out.batch.rollout
+    assert [tokens(r.response_ids[i], r.response_mask[i])[-1] for i in (1, 2)] == [2, 2]
+    new = out.batch
+    # "order": the column's first correct ones, "12345" then "12345 ", in the group's last two rows.
+    assert [new.rollout.completions[i] for i in (1, 2)] == ["12345", "12345 "]
+    assert new.per_source["overlong"][1:3] == pytest.approx([-0.5, -0.75])
+    assert new.total[1:3] == pytest.approx([0.5, 0.25])
+    # The policy's own accuracy: group 0's three wrong samples and group 1's three "free" ones, before the injection.
+    assert out.pre_correct == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert new.metrics["ampo/pre_accuracy"] == pytest.approx(0.5)
+
+
+def test_selection_forward_runs_within_the_token_budget(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
+    import anabranch.trainer.advantage_pass as ap
+    from anabranch.trainer.collect import generate_scored
+
+    cfg, c, fail, free = components(tiny_model_dir, write_jsonl, tmp_path)
+    batch = generate_scored(c, [fail[0], free[0]], cfg, step=1)
+    seen, real = [], ap.rollout_forward
+
+    def spy(*args, **kw):
+        seen.append(kw.get("micro_batch_tokens"))
+        return real(*args, **kw)
+    monkeypatch.setattr(ap, "rollout_forward", spy)
+    AMPO.create(cfg, None, c).step(c, batch, micro_tokens=64)
+    assert seen == [64]
+
+
 # ---------------------------------------------------------------- config
 
 def _algo(**kw):
@@ -181,13 +237,43 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     from anabranch.config import GuideConfig
 
     assert "algorithm.guide.enabled" in check_ampo(_algo(guide=GuideConfig(enabled=True), ampo=AMPOConfig(enabled=True)))
+    # SRPO would zero the failed rows' advantages; KDRL's mask=group would be off on exactly the guided prompts.
+    assert "algorithm.srpo_coef > 0" in check_ampo(_algo(srpo_coef=0.5, ampo=AMPOConfig(enabled=True)))
+    from anabranch.config_algorithm_options import KDRLConfig
+
+    assert "algorithm.kdrl.mask=group" in check_ampo(_algo(kdrl=KDRLConfig(teacher="t", mask="group"),
+                                                           ampo=AMPOConfig(enabled=True)))
+    assert check_ampo(_algo(kdrl=KDRLConfig(teacher="t", mask="response"), ampo=AMPOConfig(enabled=True))) is None
     rows = [{"prompt": f"Q{i}", "answer": "1"} for i in range(6)]
     data = write_jsonl(rows)
     base = {"task.eval_size": 2, "algorithm.ampo.enabled": True}
-    # Key errors at config resolution (resolve_algorithm, before any model loads), whole-run ones at load.
-    with pytest.raises(ConfigError, match="algorithm.ampo.num_replace"):
-        resolve_algorithm(load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path,
-                                                           **{"algorithm.ampo.num_replace": 3})).algorithm)
+    # At config load: a knob set while AMPO is off, a bad key, num_replace >= rollout.n (a guided group of
+    # teacher rows only is all correct, Â = 0), the combinations that cannot work.
+    load = lambda **kw: load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **kw))  # noqa: E731
+    with pytest.raises(ConfigError, match="'algorithm.ampo.num_replace' has no effect unless algorithm.ampo.enabled"):
+        load(**{"algorithm.ampo.num_replace": 3})
+    with pytest.raises(ConfigError, match="algorithm.ampo.selection must be one of"):
+        load(**base, **{"algorithm.ampo.selection": "ppl"})
+    with pytest.raises(ConfigError, match="algorithm.ampo.num_replace=3 must be less than rollout.n=3"):
+        load(**base, **{"rollout.n": 3, "algorithm.ampo.num_replace": 3})
+    assert load(**base, **{"rollout.n": 3, "algorithm.ampo.num_replace": 2}).algorithm.ampo.num_replace == 2
+    with pytest.raises(ConfigError, match="algorithm.ampo.enabled cannot be used with rollout.temperature_schedule"):
+        load(**base, **{"rollout.temperature_schedule": "ead"})
+    with pytest.raises(ConfigError, match="algorithm.ampo.enabled with algorithm.srpo_coef"):
+        load(**base, **{"algorithm.srpo_coef": 0.5})
+    curriculum = load(**base)
+    curriculum.task.curriculum = "dump"  # (a mixture's curriculum; the whole-run check at load is check_run)
+    with pytest.raises(ConfigError, match="algorithm.ampo.enabled cannot be used with task.curriculum='dump'"):
+        check_run(curriculum)
+    # A Config built in code (never loaded): resolve_algorithm and AMPO.create refuse the same.
+    off = Config()
+    off.algorithm.ampo.num_replace = 3
+    with pytest.raises(ConfigError, match="'algorithm.ampo.num_replace' has no effect"):
+        resolve_algorithm(off.algorithm)
+    code = load(**base, **{"rollout.n": 3})
+    code.algorithm.ampo.num_replace = 3
+    with pytest.raises(ConfigError, match="must be less than rollout.n=3"):
+        AMPO.create(code, None, None)
     with pytest.raises(ConfigError, match="algorithm.ampo.enabled cannot be used with rollout.backend='vllm'"):
         load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **base, **{"rollout.backend": "vllm"}))
     with pytest.raises(ConfigError, match="algorithm.ampo.enabled with algorithm.hpt.enabled"):
@@ -217,6 +303,8 @@ def test_two_step_run_trains_the_injected_solution(tiny_model_dir, write_jsonl, 
         assert m["ampo/guided_groups"] >= 1  # half the prompts always fail, and "12345" is correct
         assert m["ampo/selected_logprob"] < 0
         assert 0 < m["ampo/shaped_prob"] < 1  # the injected rows reached policy_update's shaped term
+        # The logged accuracy counts the teacher rows; ampo/pre_accuracy is the policy's own ("free" rows only).
+        assert m["ampo/pre_accuracy"] < m["accuracy"]
     # The update raised the student's likelihood of the injected solution (Â > 0 on its rows).
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
 

@@ -162,6 +162,22 @@ def test_gated_and_refused_at_load():
     load_config(None, ["algorithm.name=brain", "algorithm.brain_beta=0.5", "algorithm.entropy_coef=0.01"])
 
 
+def test_gated_in_code_built_configs_too():
+    """A Config built in code skips load_config's _GATED; check_ranges (resolve_algorithm) still refuses
+    brain_beta with another loss, with _GATED's message."""
+    from anabranch.algorithms.resolve import check_ranges
+
+    msg = r"config key 'algorithm\.brain_beta' has no effect unless algorithm\.loss=brain \(algorithm\.name=brain\)"
+    with pytest.raises(ConfigError, match=msg + r" \(got 2\.0\)"):
+        check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip", brain_beta=2.0))
+    with pytest.raises(ConfigError, match=msg):
+        resolve_algorithm(AlgorithmConfig(name="grpo", brain_beta=2.0))
+    with pytest.raises(ConfigError, match=msg):  # the same words at load
+        load_config(None, ["algorithm.name=grpo", "algorithm.brain_beta=2.0"])
+    check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip"))  # the default is fine
+    resolve_algorithm(AlgorithmConfig(name="brain", brain_beta=2.0))
+
+
 def cross_entropy(pi, q, ref, r, beta=BETA):
     """L_x = −Σ α log γ of one prompt, from sequence log-probs (plain Python)."""
     alpha = softmax([ref[i] + r[i] / beta - q[i] for i in range(len(r))])

@@ -203,6 +203,21 @@ def test_keys_without_reasonmaxxer_are_refused_when_the_config_loads():
     assert load_config(None, ["algorithm.name=reasonmaxxer", "algorithm.reasonmaxxer_entropy_threshold=1.0"])
 
 
+@pytest.mark.parametrize("key,value", [("reasonmaxxer_neg_weight", 2.0), ("reasonmaxxer_top_frac", 0.3),
+                                       ("reasonmaxxer_entropy_threshold", 1.0)])
+def test_keys_without_reasonmaxxer_are_refused_in_code_built_configs(key, value):
+    # A Config built in code skips load_config's _GATED: check_ranges refuses the key with _GATED's message.
+    from anabranch.algorithms.resolve import check_ranges
+
+    msg = (f"config key 'algorithm.{key}' has no effect unless algorithm.loss=reasonmaxxer "
+           f"\\(algorithm.name=reasonmaxxer\\) \\(got {value}\\)")
+    with pytest.raises(ConfigError, match=msg):
+        check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip", **{key: value}))
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, ["algorithm.name=grpo", f"algorithm.{key}={value}"])
+    check_ranges(cfg(**{key: value}))  # with the loss, accepted
+
+
 def test_objective_without_its_gate_is_refused():
     with pytest.raises(RuntimeError, match="precompute"):
         reasonmaxxer_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),

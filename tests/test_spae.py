@@ -95,6 +95,27 @@ def test_probe_contexts_ids():
     assert response_boundaries(ro, tok, "\n\n", 1) == [[7], []]
 
 
+def test_boundaries_decode_each_distinct_token_once():
+    tok = _tok()
+    ro = _rollout(tok, ["Q1", "Q22"], ["ab\n\ncd\n\n7\n\nab\n\n", "xy\n\nxy"])
+    calls = []
+
+    class Counting:
+        def batch_decode(self, seqs, **kw):
+            calls.append(len(seqs))
+            return tok.batch_decode(seqs, **kw)
+
+    got = response_boundaries(ro, Counting(), "\n\n", 8)
+    distinct = {t for i, n in enumerate(ro.response_mask.sum(-1).tolist()) for t in ro.response_ids[i, :n].tolist()}
+    assert calls == [len(distinct)]  # one call over the batch's distinct ids, not one decode per token
+    # The same boundaries as decoding every token of every row on its own (the previous implementation).
+    ref = []
+    for i, n in enumerate(ro.response_mask.sum(-1).tolist()):
+        pieces = [tok.decode([t], skip_special_tokens=False) for t in ro.response_ids[i, :n].tolist()]
+        ref.append(select_steps(step_ends(pieces, "\n\n"), 8))
+    assert got == ref == [[3, 7, 10, 14], [3]]
+
+
 def test_probe_scores_match_a_direct_forward(tiny_model_dir):
     from anabranch.config import ModelConfig
     from anabranch.models.loading import load_model
@@ -119,13 +140,23 @@ def test_probe_scores_match_a_direct_forward(tiny_model_dir):
         conf = math.exp(-sum(ent) / len(ent))
         assert st.phi[i, k].item() == pytest.approx(1.5 * acc * conf + 0.5 * acc - conf, abs=1e-5)
     # The whole step on the advantages: AdvantageBatch-like object, metrics present.
-    adv = SimpleNamespace(advantages=torch.zeros(2, ro.response_ids.shape[1]), metrics={})
+    # The estimator's advantage/* (all zeros) are what the loop logged before SPAE's term.
+    adv = SimpleNamespace(advantages=torch.zeros(2, ro.response_ids.shape[1]),
+                          metrics={"advantage/mean": 0.0, "advantage/std": 0.0})
     out = spae.step(model, ro, [{"answer": "17"}, {"answer": "17"}], adv)
     d = (st.phi[0, 1] - st.phi[0, 0]).item()
     # Row 0: step 1 (tokens 0..3) has ΔΦ = 0, step 2 (tokens 4..7) ΔΦ = Φ_2 − Φ_1, the answer tail nothing.
     expect = [0.0] * 4 + [0.5 * d] * 4 + [0.0, 0.0]
     assert out.advantages[0].tolist() == pytest.approx(expect, abs=1e-5)
     assert out.metrics["spae/steps_per_response"] == 1.5
+    # advantage/* describe the changed advantages: row 0 has 10 tokens (4 at 0.5·d), row 1 "x\n\ny<eos>" 5 tokens
+    # at 0 (one step: ΔΦ_1 = 0; nothing saturates here unless Φ ≥ 0.9), so mean = 2·d/15 over 15 tokens.
+    assert not st.phi.ge(0.9).any()
+    vals = [0.5 * d] * 4 + [0.0] * 11
+    mean = sum(vals) / 15
+    assert out.metrics["advantage/mean"] == pytest.approx(mean, abs=1e-6) and d != 0
+    assert out.metrics["advantage/std"] == pytest.approx((sum((v - mean) ** 2 for v in vals) / 15) ** 0.5, abs=1e-6)
+    assert out.metrics["spae/base_mean"] == 0.0 and out.metrics["spae/base_std"] == 0.0
 
 
 def test_refusals_name_the_keys():
@@ -156,6 +187,24 @@ def test_refusals_name_the_keys():
     off = load_config(None, [])
     assert SPAE.create(off, SimpleNamespace(sharded=True), SimpleNamespace(tokenizer=None, train_rows=rows)) is None
     check_spae_run(dataclasses.replace(off, rollout=dataclasses.replace(off.rollout, tools=["python"])))
+
+
+@pytest.mark.parametrize("name", ["flowrl", "fdpg", "rover", "brain", "reasonmaxxer", "pacs"])
+def test_refused_with_losses_that_read_a_reward_from_the_advantages_or_never_read_them(name):
+    # flowrl, fdpg, rover, brain: advantage_is_reward; reasonmaxxer, pacs: ignores_advantages (the probe pass
+    # would run every step for nothing).
+    cfg = load_config(None, [f"algorithm.name={name}", "algorithm.spae_coef=0.5"])
+    with pytest.raises(ConfigError, match=f"algorithm.spae_coef > 0 with loss='{name}'"):
+        resolve_algorithm(cfg.algorithm)
+    resolve_algorithm(load_config(None, [f"algorithm.name={name}"]).algorithm)  # the loss itself is fine
+
+
+def test_tools_and_retry_turns_are_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match="spae_coef > 0 with rollout.tools"):
+        load_config(None, ["algorithm.spae_coef=0.5", "rollout.tools=[python]"])
+    with pytest.raises(ConfigError, match="spae_coef > 0 with rollout.retry_turns=2"):
+        load_config(None, ["algorithm.spae_coef=0.5", "rollout.retry_turns=2"])
+    load_config(None, ["rollout.tools=[python]"])  # SPAE off: nothing refused
 
 
 def test_two_step_train(tiny_model_dir, write_jsonl, tmp_path):

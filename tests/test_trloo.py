@@ -142,17 +142,68 @@ def test_a_valid_config_loads_and_wires_the_grades(tmp_path):
     ({"algorithm.overlong_buffer": 2}, "algorithm.overlong_buffer > 0"),
     ({"algorithm.ucas": True}, "algorithm.ucas"),
     ({"algorithm.progrpo_alpha": 0.5}, "algorithm.progrpo_alpha"),
+    # Losses that never read the advantages (ignores_advantages): TRLOO would be ignored.
+    ({"algorithm.loss": "pacs"}, "loss='pacs', which never reads the advantages"),
+    ({"algorithm.name": "reasonmaxxer"}, "loss='reasonmaxxer', which never reads the advantages"),
 ])
 def test_refusals(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(tmp_path, **over)
 
 
+def test_refused_at_resolution_and_with_dict_reward_entries(tmp_path):
+    import dataclasses
+
+    from anabranch.algorithms import resolve_algorithm
+    from anabranch.algorithms.trloo import check_trloo_config
+
+    for loss in ("pacs", "reasonmaxxer"):  # an AlgorithmConfig built in code, not through load_config
+        with pytest.raises(ConfigError, match=f"loss='{loss}', which never reads the advantages"):
+            resolve_algorithm(AlgorithmConfig(advantage="trloo", loss=loss))
+    # reward.functions as plain dicts (a Config built in code): read through retry_turns.reward_entries.
+    cfg = _cfg(tmp_path)
+    as_dicts = lambda fs: dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, functions=fs))  # noqa: E731
+    with pytest.raises(ConfigError, match=r"'format' \(weight 0.2\)"):
+        check_trloo_config(as_dicts([{"name": "math_verify"}, {"name": "format", "weight": 0.2}]))
+    with pytest.raises(ConfigError, match=r"'format' \(weight 1\)"):
+        check_trloo_config(as_dicts([{"name": "math_verify"}, {"name": "format"}]))  # weight defaults to 1
+    check_trloo_config(as_dicts([{"name": "math_verify"}, {"name": "format", "weight": 0}]))
+
+
+def _by_hand(outcomes, groups, mask, gamma=1.0):
+    """TRLOO written out with loops, independently of trloo.py: per-turn returns, the mean of the other
+    samples of the group that reached the turn as baseline (0 when none), the turn's value on its run."""
+    b, k = len(outcomes), len(outcomes[0])
+    ret = [[0.0] * k for _ in range(b)]
+    for i in range(b):
+        running = 0.0
+        for t in reversed(range(k)):
+            running = max(outcomes[i][t], 0) + gamma * running
+            ret[i][t] = running
+    out = []
+    for i in range(b):
+        turn_adv = []
+        for t in range(k):
+            others = [ret[j][t] for j in range(b) if j != i and groups[j] == groups[i] and outcomes[j][t] >= 0]
+            turn_adv.append(ret[i][t] - (sum(others) / len(others) if others else 0.0))
+        row, run, prev = [], -1, 0
+        for m in mask[i]:
+            run += int(m and not prev)
+            row.append(turn_adv[run] if m else 0.0)
+            prev = m
+        out.append(row)
+    return torch.tensor(out)
+
+
 def test_two_steps_of_training_with_trloo(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
     """The real trainer with rollout.retry_turns=2 and advantage=trloo on the tiny model (attempts cut to
-    3 tokens + EOS as in test_retry_turns); the advantages are finite and the update runs."""
+    3 tokens + EOS as in test_retry_turns). The attempt check is replaced by one that marks every third
+    attempt right (the random tiny model would rarely solve), so groups mix right and wrong attempts; the
+    advantages handed to policy_update must equal TRLOO computed by hand on the recorded grades."""
     import math
 
+    import anabranch.rewards.math_answer as math_answer
+    import anabranch.trainer.loop as loop
     from anabranch import train
     from anabranch.rollout.hf_generate import HFGenerateBackend
     from test_train_e2e import digit_task, tiny_overrides
@@ -163,24 +214,32 @@ def test_two_steps_of_training_with_trloo(tiny_model_dir, write_jsonl, tmp_path,
         eos = self.tokenizer.eos_token_id
         return [(ids[:3] + [eos], None) for ids, _ in orig(self, seqs, [3] * len(seqs), stop, greedy, seed)]
 
+    calls = []
+
+    def every_third_right(text, gold):  # RetryTurnsBackend imports the check when it is built
+        calls.append(text)
+        return len(calls) % 3 == 1
+
     seen = []
-    import anabranch.trainer.loop as loop
+    update = loop.policy_update
 
-    compute = loop.compute_advantages
-
-    def spy(algo, model, rollout, rewards, **kw):
-        out = compute(algo, model, rollout, rewards, **kw)
-        seen.append((rollout.attempt_correct.clone(), out.advantages.clone(), rollout.trained_mask.clone()))
-        return out
+    def spy(model, optimizer, rollout, advantages, *args, **kw):
+        seen.append((rollout.attempt_correct.clone(), rollout.group_index.clone(), rollout.trained_mask.clone(),
+                     advantages.detach().clone()))
+        return update(model, optimizer, rollout, advantages, *args, **kw)
 
     monkeypatch.setattr(HFGenerateBackend, "continue_ids", short)
-    monkeypatch.setattr(loop, "compute_advantages", spy)
+    monkeypatch.setattr(math_answer, "is_equivalent", every_third_right)
+    monkeypatch.setattr(loop, "policy_update", spy)
     over = {"trainer.steps": 2, "trainer.eval_before": False, "trainer.eval_after": False, "rollout.n": 4,
             "rollout.max_new_tokens": 64, "rollout.prompts_per_step": 2, "rollout.retry_turns": 2,
             "algorithm.advantage": "trloo", "reward.functions": json.dumps([{"name": "math_verify"}])}
     result = train(load_config(None, tiny_overrides(tiny_model_dir, digit_task(write_jsonl), tmp_path, **over)))
-    assert len(result.history) == 2
+    assert len(result.history) == 2 and len(seen) == 2
     for m in result.history:
-        assert math.isfinite(m["loss"]) and m["skipped_updates"] == 0 and 1.0 < m["retry/attempts_mean"] <= 2.0
-    for outcomes, adv, mask in seen:
-        assert outcomes.shape[1] == 2 and torch.isfinite(adv).all() and (adv[mask == 0] == 0).all()
+        assert math.isfinite(m["loss"]) and m["skipped_updates"] == 0 and 1.0 < m["retry/attempts_mean"] < 2.0
+    for outcomes, groups, mask, adv in seen:
+        assert outcomes.shape[1] == 2 and (outcomes == 1).any() and (outcomes == 0).any()
+        expect = _by_hand(outcomes.tolist(), groups.tolist(), mask.tolist())
+        assert expect.abs().sum() > 0  # some group mixes right and wrong: the check below can fail
+        assert torch.allclose(adv, expect, atol=1e-6), (outcomes, adv, expect)

@@ -242,6 +242,13 @@ class AlgorithmConfig:
     spae_saturation: float = 0.9
     spae_saturation_penalty: float = 0.5
     spae_max_steps: int = 8
+    # RLTF-SD (Song et al. 2026, algorithms/rltf_sd.py, trainer/rltf_sd_step.py): the retries (attempt k >= 2)
+    # of rollout.retry_turns episodes are trained in the first-turn context (prompt alone) as an extra term
+    # λ · Σ −w·log π(attempt | prompt) / N; rltf_sd_coef λ >= 0 (0: off, no cost; needs retry_turns >= 2).
+    # rltf_sd_weighting: advantage (the paper's w = grade − the group's mean first-attempt grade) or correct
+    # (w = 1 on right retries only).
+    rltf_sd_coef: float = 0.0
+    rltf_sd_weighting: str = "advantage"
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

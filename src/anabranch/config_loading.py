@@ -338,6 +338,14 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.trloo import check_trloo_config
 
         check_trloo_config(cfg)
+    if cfg.algorithm.spae_coef > 0:  # SPAE with tools / retry turns (trainer/spae_step.py; loop.py keeps a backstop)
+        from anabranch.trainer.spae_step import check_spae_run
+
+        check_spae_run(cfg)
+    if cfg.algorithm.rltf_sd_coef > 0:  # RLTF-SD distils the retries of multi-attempt episodes: retry turns
+        from anabranch.algorithms.rltf_sd import check_rltf_sd_config
+
+        check_rltf_sd_config(cfg)
     if cfg.reward.prm_shaping != "none" or any(getattr(f, "name", None) == "prm" for f in cfg.reward.functions):
         # PRM-Clip/Delta (algorithms/prm_shaping.py): its `prm` source, a token-level estimator, no rebuilt rollouts
         from anabranch.algorithms.prm_shaping import check_config as check_prm_shaping
@@ -418,6 +426,8 @@ _GATED = [
     # SPAE (algorithms/spae.py): its probe and penalty knobs act only with a positive coefficient.
     ("algorithm", ("spae_delimiter", "spae_probe", "spae_saturation", "spae_saturation_penalty", "spae_max_steps"),
      lambda c: c.algorithm.spae_coef > 0, "algorithm.spae_coef > 0"),
+    # RLTF-SD (algorithms/rltf_sd.py): its weighting acts only with a positive coefficient.
+    ("algorithm", ("rltf_sd_weighting",), lambda c: c.algorithm.rltf_sd_coef > 0, "algorithm.rltf_sd_coef > 0"),
     # Low-likelihood curation (trainer/curation.py): its pre-pass knobs act only when it is on.
     ("task", ("curation_min_rate", "curation_max_rate", "curation_samples", "curation_prompts"),
      lambda c: c.task.curation != "none", "task.curation=low_likelihood"),
@@ -432,14 +442,24 @@ def _refuse_inactive(cfg: Config) -> None:
                 raise ConfigError(f"config key 'algorithm.guide.{key}' has no effect unless algorithm.guide.enabled=true "
                                   f"(got {getattr(guide, key)!r}); set algorithm.guide.enabled=true or leave it at its "
                                   "default")
+    if cfg.algorithm.ampo != type(cfg.algorithm.ampo)():  # AMPO's nested section, as Guide's (imported only then)
+        from anabranch.algorithms.ampo import inactive_knob
+
+        if (error := inactive_knob(cfg.algorithm.ampo)) is not None:
+            raise ConfigError(error)
     for section, keys, active, turn_on in _GATED:
         if active(cfg):
             continue
         ours, default = getattr(cfg, section), type(getattr(cfg, section))()
         changed = [k for k in keys if getattr(ours, k) != getattr(default, k)]
         if changed:
-            raise ConfigError(f"config key '{section}.{changed[0]}' has no effect unless {turn_on} (got "
-                              f"{getattr(ours, changed[0])!r}); set {turn_on} or leave it at its default")
+            raise ConfigError(inactive_key_error(f"{section}.{changed[0]}", getattr(ours, changed[0]), turn_on))
+
+
+def inactive_key_error(key: str, value, turn_on: str) -> str:
+    """The refusal of an option set while its method is off; shared with the checks that repeat a _GATED
+    entry for configs built in code (algorithms/brain.py, algorithms/reasonmaxxer.py)."""
+    return f"config key '{key}' has no effect unless {turn_on} (got {value!r}); set {turn_on} or leave it at its default"
 
 
 def _get(cfg: Config, key: str):

@@ -27,7 +27,14 @@ What this library does (trainer/ampo_step.py, trainer/step.py):
   the top ``num_replace`` are injected (ties: column order). ``selection=order`` skips the forward and
   takes the column's first correct candidates (an ablation, as the paper's random choice);
 - the injected rows replace the group's last rows (the group is all wrong, so which ones is immaterial),
-  keep their real reward, and enter the advantage estimator as any sample of the group.
+  keep their real reward (with DAPO's overlong penalty when on), end with the policy's own stop token
+  (the chat template's end-of-turn), and enter the advantage estimator as any sample of the group;
+  ``num_replace`` must be < ``rollout.n`` (a group of teacher rows only is all correct: Â = 0 on each);
+- refused with it: SRPO (it would take a teacher row for the failed rows' correct sibling and zero
+  their advantages), KDRL's mask=group (no group is all wrong after the injection), task.curriculum
+  (its |Â| per source would count the injected groups), EAD's temperature schedule (no sampler
+  log-probs for the teacher rows), and those check_ampo/check_run name below. The loop's accuracy and
+  reward metrics are taken after the injection; ``ampo/pre_accuracy`` is the policy's own.
 
 What is assumed (the method section could not be read here; the abstract, the model card and the
 authors' released launch script could: ``num_off_policy_targets=2``, ``off_policy_reshape=p_div_p_0.1``,
@@ -66,10 +73,10 @@ def mean_log_prob(log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (log_prob * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def select_top(scores: list[float], eligible: list[bool], k: int) -> list[int]:
-    """Indices of the ``k`` eligible candidates with the highest score, best first (ties: lower index first)."""
-    ranked = sorted((i for i, ok in enumerate(eligible) if ok), key=lambda i: (-scores[i], i))
-    return ranked[:k]
+def select_top(scores: list[float], k: int) -> list[int]:
+    """Indices of the ``k`` candidates with the highest score, best first (ties: lower index first). The
+    candidates are the correct ones already (trainer/ampo_step.py drops the others before scoring)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
 
 
 def shaped_prob(log_prob: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -105,10 +112,7 @@ def ampo_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, inje
 def check_ampo(cfg) -> str | None:
     """The first problem with ``cfg.ampo`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
     algorithm config, or None. Its knobs set while it is off are refused too (they would do nothing)."""
-    from anabranch.config_algorithm_options import AMPOConfig
-
-    a, default = cfg.ampo, AMPOConfig()
-    num = (int, float)
+    a, num = cfg.ampo, (int, float)
     checks = [
         (isinstance(a.enabled, bool), "enabled", "must be true or false"),
         (isinstance(a.solutions_column, str) and bool(a.solutions_column.strip()), "solutions_column",
@@ -124,11 +128,7 @@ def check_ampo(cfg) -> str | None:
         if not ok:
             return f"algorithm.ampo.{key} {why} (got {getattr(a, key)!r})"
     if not a.enabled:
-        for key in ("solutions_column", "num_replace", "selection", "shaping_gamma"):
-            if getattr(a, key) != getattr(default, key):
-                return (f"config key 'algorithm.ampo.{key}' has no effect unless algorithm.ampo.enabled=true "
-                        f"(got {getattr(a, key)!r}); set algorithm.ampo.enabled=true or leave it at its default")
-        return None
+        return inactive_knob(a)
     if cfg.loss not in AMPO_LOSSES:
         return (f"algorithm.ampo.enabled: the injected teacher rows leave the ratio objective for their own shaped "
                 f"term, which is implemented for loss {', '.join(AMPO_LOSSES)}, not loss={cfg.loss!r}; set "
@@ -141,6 +141,14 @@ def check_ampo(cfg) -> str | None:
         return ("algorithm.ampo.enabled with algorithm.dynamic_sampling: dynamic sampling drops the groups whose "
                 "samples are all wrong before AMPO sees them, the only ones it guides; set "
                 "algorithm.dynamic_sampling=false or algorithm.ampo.enabled=false")
+    if cfg.srpo_coef > 0:
+        return ("algorithm.ampo.enabled with algorithm.srpo_coef > 0: SRPO would take an injected teacher solution as "
+                "the failed rows' correct sibling and zero those rows' advantages, the negative side AMPO's mixed "
+                "group trains; set algorithm.srpo_coef=0 or algorithm.ampo.enabled=false")
+    if cfg.kdrl.teacher and cfg.kdrl.mask == "group":
+        return ("algorithm.ampo.enabled with algorithm.kdrl.mask=group: after the injection no group is all wrong, so "
+                "KDRL's teacher KL would be switched off on exactly the prompts AMPO guides; use "
+                "algorithm.kdrl.mask=response or none, or set algorithm.ampo.enabled=false")
     for other, on in (("hpt", cfg.hpt.enabled), ("guide", cfg.guide.enabled), ("scaffold", cfg.scaffold.enabled),
                       ("rl_plus", cfg.rl_plus.enabled)):
         if on:
@@ -149,21 +157,54 @@ def check_ampo(cfg) -> str | None:
     return None
 
 
-def check_run(cfg) -> None:
-    """Whole-config combinations refused before any model loads (config_loading.validate)."""
-    from anabranch.config import ConfigError
+def inactive_knob(a) -> str | None:
+    """The refusal of an ``algorithm.ampo`` knob set while AMPO is off (it would do nothing), or None. Run at
+    config load (config_loading._refuse_inactive) and again at resolution, for configs built in code."""
+    from anabranch.config_algorithm_options import AMPOConfig
 
-    if not cfg.algorithm.ampo.enabled:
-        return
-    why = None
+    if a.enabled:
+        return None
+    default = AMPOConfig()
+    for key in ("solutions_column", "num_replace", "selection", "shaping_gamma"):
+        if getattr(a, key) != getattr(default, key):
+            return (f"config key 'algorithm.ampo.{key}' has no effect unless algorithm.ampo.enabled=true "
+                    f"(got {getattr(a, key)!r}); set algorithm.ampo.enabled=true or leave it at its default")
+    return None
+
+
+def run_problem(cfg) -> str | None:
+    """The first whole-config combination AMPO cannot take (``cfg``: the whole Config, AMPO on), or None.
+    Checked at config load (:func:`check_run`) and again by trainer/ampo_step.py's AMPO.create."""
+    a, why = cfg.algorithm.ampo, None
+    if isinstance(a.num_replace, int) and a.num_replace >= cfg.rollout.n:
+        # A guided group of teacher solutions only is all correct: its advantages are all 0.
+        return (f"algorithm.ampo.num_replace={a.num_replace} must be less than rollout.n={cfg.rollout.n}: a guided "
+                "group of teacher solutions only is all correct, so its advantages are all 0 and nothing is learned; "
+                "lower algorithm.ampo.num_replace or raise rollout.n")
     if cfg.rollout.backend != "hf":
-        why = (f"rollout.backend={cfg.rollout.backend!r}: the injected rows carry the hf policy's own log-probs as "
-               "their sampler's, which is implemented and tested with the hf backend only; set rollout.backend=hf")
+        why = (f"rollout.backend={cfg.rollout.backend!r}: its samples carry the engine's log-probs, the teacher rows "
+               "none, and AMPO is implemented and tested with the hf backend only; set rollout.backend=hf")
     elif cfg.rollout.tools:
         why = "rollout.tools: a teacher's solution text has no tool turns to mask; leave rollout.tools empty"
     elif cfg.rollout.retry_turns >= 2:
         why = "rollout.retry_turns: a teacher's solution is single-turn; set rollout.retry_turns=0"
     elif cfg.task.pairing:
         why = "task.pairing: prompt pairing trains fixed (q+, q−) groups of their own samples; set task.pairing=false"
-    if why is not None:
-        raise ConfigError(f"algorithm.ampo.enabled cannot be used with {why}, or set algorithm.ampo.enabled=false")
+    elif cfg.rollout.temperature_schedule != "constant":
+        why = (f"rollout.temperature_schedule={cfg.rollout.temperature_schedule!r}: the teacher rows have no sampler "
+               "log-probs at each position's scheduled temperature; set rollout.temperature_schedule=constant")
+    elif cfg.task.curriculum != "none":
+        why = (f"task.curriculum={cfg.task.curriculum!r}: the curriculum reads each source's mean |advantage|, which "
+               "the teacher rows make non-zero on exactly the prompts the policy fails; set task.curriculum=none")
+    if why is None:
+        return None
+    return f"algorithm.ampo.enabled cannot be used with {why}, or set algorithm.ampo.enabled=false"
+
+
+def check_run(cfg) -> None:
+    """At config load (config_loading.validate; ``cfg`` loaded, its recipe applied): AMPO's key checks
+    (resolve_algorithm repeats them for configs built in code) and :func:`run_problem`, before any model loads."""
+    from anabranch.config import ConfigError
+
+    if cfg.algorithm.ampo.enabled and (error := check_ampo(cfg.algorithm) or run_problem(cfg)):
+        raise ConfigError(error)

@@ -121,7 +121,8 @@ def pacs_needs(cfg) -> tuple[str, ...]:
     return ("whole_groups",)
 
 
-@OBJECTIVES.register(NAME, needs=pacs_needs)
+# ignores_advantages: its label is the reward, its score the log-ratio (SPAE and TRLOO are refused with it).
+@OBJECTIVES.register(NAME, needs=pacs_needs, ignores_advantages=True)
 def pacs_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     cfg = ctx.cfg
     if ctx.rewards is None or ctx.group_index is None:

@@ -52,29 +52,16 @@ def process_token_rewards(step_scores: list[list[float]], step_ends: list[list[i
     return out
 
 
-# The per-token rewards travel on the rollout (an attribute: Rollout has no field for them), set by
-# trainer/collect.py and carried by its select_groups/concat_batches; absent unless a PRM is configured.
-_ATTR = "process_token_rewards"
-
-
-def set_process_rewards(rollout, token_rewards: torch.Tensor | None) -> None:
-    if token_rewards is not None:
-        setattr(rollout, _ATTR, token_rewards)
-
-
-def get_process_rewards(rollout) -> torch.Tensor | None:
-    return getattr(rollout, _ATTR, None)
-
-
 def attach(sources, reward_cfg, rollout, fields: dict) -> dict:
-    """Put the shaped step rewards of ``fields`` (rewards/prm.py's) on ``rollout``; returns metrics."""
+    """Put the shaped step rewards of ``fields`` (rewards/prm.py's) on ``rollout.process_rewards`` (a Rollout
+    field, so every slice, concatenation and ``dataclasses.replace`` of the rollout carries it); returns metrics."""
     if reward_cfg.prm_shaping == "none" or "prm_step_scores" not in fields:
         return {}
     src = next(s for s in sources if s.meta.get("process_reward"))
     width = rollout.response_ids.shape[1]
     tok = process_token_rewards(fields["prm_step_scores"], fields["prm_step_ends"], width,
                                 reward_cfg.prm_shaping, reward_cfg.prm_eta, src.weight)
-    set_process_rewards(rollout, tok)
+    rollout.process_rewards = tok
     return {"prm/step_reward_sum_mean": tok.sum(-1).mean().item()}
 
 
@@ -82,9 +69,9 @@ TOKEN_ESTIMATORS = ("gae", "reinforce_pp")
 
 
 def check_config(cfg) -> None:
-    """At config load: the shaping, its PRM source and the estimator agree; combinations that rebuild
-    the rollout (and so would lose its per-token rewards) or whose responses are not the policy's
-    contiguous tokens are refused."""
+    """At config load: the shaping, its PRM source (weight, params, model folder) and the estimator agree;
+    combinations that add rows the PRM does not score, or whose responses are not the policy's contiguous
+    tokens, are refused."""
     from anabranch.config import ConfigError
 
     shaping = cfg.reward.prm_shaping
@@ -99,18 +86,29 @@ def check_config(cfg) -> None:
     if len(prms) != 1:
         raise ConfigError(f"reward.prm_shaping={shaping} needs exactly one 'prm' entry in reward.functions "
                           f"(found {len(prms)}), with params.model_path a local PRM folder")
+    if prms[0].weight == 0:
+        raise ConfigError(f"reward.prm_shaping={shaping} with reward.functions[prm].weight=0: the weight scales the step "
+                          "rewards, so none would be added; give it a nonzero weight or set reward.prm_shaping=none")
+    from anabranch.rewards.prm import check_params
+
+    check_params(dict(prms[0].params))  # model_path an existing folder, the tags' options (before any model loads)
     if cfg.algorithm.advantage not in TOKEN_ESTIMATORS:
         raise ConfigError(f"reward.prm_shaping={shaping} puts rewards on step-end tokens, which only the token-level "
                           f"estimators read (algorithm.advantage=gae or reinforce_pp); algorithm.advantage="
                           f"{cfg.algorithm.advantage} would only re-sum them per sequence")
     if not cfg.reward.prm_eta == cfg.reward.prm_eta or abs(cfg.reward.prm_eta) == float("inf"):
         raise ConfigError(f"config key 'reward.prm_eta' must be a finite number (got {cfg.reward.prm_eta!r})")
+    # Refused: rows the PRM does not score (AMPO's teachers, Guide's hinted and the scaffold's rows, added by
+    # their own scoring calls), or responses that hold tokens the policy did not sample (tools, retry turns,
+    # CURE's branches), where the step-end positions would not match. DARS's extra samples and the greedy
+    # filter's training rollouts go through generate_scored (PRM-scored), so they are allowed.
     refused = [(bool(cfg.rollout.tools), "rollout.tools"), (cfg.rollout.retry_turns >= 2, "rollout.retry_turns"),
-               (cfg.rollout.extra_rollouts != "none", "rollout.extra_rollouts"),
+               (cfg.rollout.extra_rollouts == "cure", "rollout.extra_rollouts=cure"),
+               (cfg.algorithm.ampo.enabled, "algorithm.ampo.enabled"),
                (cfg.algorithm.guide.enabled, "algorithm.guide.enabled"),
-               (cfg.algorithm.scaffold.enabled, "algorithm.scaffold.enabled"),
-               (cfg.task.curation == "greedy_wrong", "task.curation=greedy_wrong")]
+               (cfg.algorithm.scaffold.enabled, "algorithm.scaffold.enabled")]
     for bad, key in refused:
         if bad:
-            raise ConfigError(f"reward.prm_shaping={shaping} cannot be used with {key}: its rollouts are rebuilt or "
-                              "hold tokens the policy did not sample, so the step-end positions would not match")
+            raise ConfigError(f"reward.prm_shaping={shaping} cannot be used with {key}: its rows are not scored by the "
+                              "PRM or hold tokens the policy did not sample, so they would get no step rewards or "
+                              "misplaced ones")

@@ -74,8 +74,9 @@ _INERT_KEYS = ("norm_adv_by_std", "adv_epsilon", "ngrpo_max_reward", "gamma", "l
 
 
 def check_reasonmaxxer(cfg) -> str | None:
-    """The keys' ranges, and what cannot act with loss=reasonmaxxer. An error message or None. (The keys
-    set without loss=reasonmaxxer are refused when the config loads: config_loading.py's _GATED.)"""
+    """The keys' ranges, and what cannot act with loss=reasonmaxxer. An error message or None. The keys set
+    without loss=reasonmaxxer are refused here with config_loading.py's _GATED message (which refuses them at
+    load), so that a Config built in code and passed to train() is refused too."""
     frac, thr, lam = cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold, cfg.reasonmaxxer_neg_weight
     if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
         return (f"algorithm.reasonmaxxer_top_frac must be in (0, 1], the share of the batch's response tokens with the "
@@ -85,9 +86,15 @@ def check_reasonmaxxer(cfg) -> str | None:
                 f"(got {thr!r})")
     if not (isinstance(lam, (int, float)) and 0 <= lam < math.inf):
         return f"algorithm.reasonmaxxer_neg_weight must be a finite number >= 0 (got {lam!r})"
-    if cfg.loss != NAME:
-        return None
     defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.default is not dataclasses.MISSING}
+    if cfg.loss != NAME:
+        from anabranch.config_loading import inactive_key_error
+
+        for key in ("reasonmaxxer_top_frac", "reasonmaxxer_entropy_threshold", "reasonmaxxer_neg_weight"):
+            if getattr(cfg, key) != defaults[key]:
+                return inactive_key_error(f"algorithm.{key}", getattr(cfg, key),
+                                          f"algorithm.loss={NAME} (algorithm.name={NAME})")
+        return None
     if thr is not None and frac != defaults["reasonmaxxer_top_frac"]:
         return ("algorithm.reasonmaxxer_entropy_threshold and algorithm.reasonmaxxer_top_frac both pick the gated "
                 "positions; set only one (a threshold replaces the top fraction)")
@@ -173,7 +180,8 @@ def reasonmaxxer_needs(cfg) -> tuple[str, ...]:
     return ("ref_log_prob", "ref_entropy")
 
 
-@OBJECTIVES.register(NAME, needs=reasonmaxxer_needs, precompute=reasonmaxxer_precompute)
+# ignores_advantages: its labels are the rewards against the group mean (SPAE and TRLOO are refused with it).
+@OBJECTIVES.register(NAME, needs=reasonmaxxer_needs, precompute=reasonmaxxer_precompute, ignores_advantages=True)
 def reasonmaxxer_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     gate, labels = ctx.extras.get("reasonmaxxer_gate"), ctx.extras.get("reasonmaxxer_label")
     if gate is None or labels is None:

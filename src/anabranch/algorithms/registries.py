@@ -11,6 +11,8 @@
   called once per update before the micro-batches, with the mask of the tokens the update trains; the
   per-row tensors it returns reach the objective as ``ctx.extras``, sliced per micro-batch (batch-wide
   quantities, e.g. ReasonMaxxer's gate and labels, that must not depend on the micro-batch split).
+  ``ignores_advantages=True``: the objective never reads its ``advantages`` argument (its labels come from
+  the rewards: ReasonMaxxer, PACS), so options that only change the advantages (SPAE, TRLOO) are refused.
   Registered with ``group=True`` when it compares the samples of a prompt (needs rollout.n >= 2),
   ``needs=(...)``, ``modules={...}`` (extra heads) and ``aux_loss=fn`` (e.g. a critic loss).
 - ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults

@@ -350,6 +350,18 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.spae_coef > 0 with loss={cfg.loss!r}: SPAE adds a per-token term to the "
                           "advantages, which a loss that reads the reward back from them would take as a target; use "
                           "a policy-gradient loss (e.g. algorithm.name=grpo) or set algorithm.spae_coef=0")
+    if cfg.spae_coef > 0 and OBJECTIVES.meta(cfg.loss).get("ignores_advantages"):
+        # Its probe forward would run every step and change advantages that this loss never reads.
+        raise ConfigError(f"algorithm.spae_coef > 0 with loss={cfg.loss!r}: this loss never reads the advantages "
+                          "(its labels come from the rewards), so SPAE's term would change nothing while its probe "
+                          "pass still ran every step; use a policy-gradient loss (e.g. algorithm.name=grpo) or set "
+                          "algorithm.spae_coef=0")
+    # RLTF-SD's distillation term (algorithms/rltf_sd.py): its keys (rollout.retry_turns is checked at config load).
+    from anabranch.algorithms.rltf_sd import check_rltf_sd
+
+    error = check_rltf_sd(cfg)
+    if error:
+        raise ConfigError(error)
     # ReasonMaxxer's gate and contrast (algorithms/reasonmaxxer.py): its keys, and what cannot act with it.
     from anabranch.algorithms.reasonmaxxer import check_reasonmaxxer
 

@@ -104,7 +104,8 @@ def trloo_inputs(cfg) -> dict:
 def check_trloo(cfg) -> str | None:
     """Algorithm-section refusals for ``advantage=trloo`` (None when fine): terms that TRLOO would drop
     (reward-side KL, DAPO's overlong penalty, DSDR's reward bonus) or that reshape per-sequence advantages
-    from the sequence reward (UCAS, ProGRPO) or read a reward back from the advantages (FlowRL-like losses)."""
+    from the sequence reward (UCAS, ProGRPO); losses that read a reward back from the advantages (FlowRL,
+    f-DPG, ROVER, BRAIn) or never read them (ReasonMaxxer, PACS: ``ignores_advantages``)."""
     if cfg.advantage != NAME:
         return None
     from anabranch.algorithms.registries import OBJECTIVES
@@ -112,6 +113,10 @@ def check_trloo(cfg) -> str | None:
     if OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
         return (f"algorithm.advantage=trloo gives per-turn advantages, but loss={cfg.loss!r} reads one sequence "
                 "reward back from them; use a policy-gradient loss (e.g. loss=ppo_clip)")
+    if OBJECTIVES.meta(cfg.loss).get("ignores_advantages"):  # ReasonMaxxer, PACS: labels from the rewards
+        return (f"algorithm.advantage=trloo with loss={cfg.loss!r}, which never reads the advantages (its labels "
+                "come from the rewards), so TRLOO would be ignored; use a policy-gradient loss (e.g. loss=ppo_clip) "
+                "or another algorithm.advantage")
     for on, what in (
             (cfg.kl_coef > 0 and cfg.kl_in == "reward", "algorithm.kl_in=reward puts -β·KL into the token rewards, "
              "which TRLOO (per-attempt grades) does not read; set algorithm.kl_in=loss"),
@@ -133,6 +138,7 @@ def check_trloo_config(cfg) -> None:
     ``rollout.retry_turns >= 2``, and ignores ``reward.functions``' scores, so none may carry weight
     except math_verify (required by retry_turns as the trainer's right/wrong)."""
     from anabranch.config import ConfigError
+    from anabranch.rollout.retry_turns import reward_entries
 
     if cfg.algorithm.advantage != NAME:
         return
@@ -142,9 +148,7 @@ def check_trloo_config(cfg) -> None:
     if cfg.rollout.retry_turns < 2:
         raise ConfigError(f"algorithm.advantage=trloo needs multi-attempt episodes: set rollout.retry_turns >= 2 "
                           f"(got {cfg.rollout.retry_turns}); its per-turn rewards are the attempts' grades")
-    for f in cfg.reward.functions:
-        name = f.name if hasattr(f, "name") else f.get("name")
-        weight = float(f.weight if hasattr(f, "weight") else f.get("weight", 1.0))
+    for name, weight in reward_entries(cfg):
         if name != "math_verify" and weight != 0:
             raise ConfigError(f"reward.functions: {name!r} (weight {weight:g}) with algorithm.advantage=trloo, whose "
                               "rewards are the attempts' grades (1 right, 0 wrong), not the sequence reward: its "

@@ -61,6 +61,11 @@ def add_subcommands(sub) -> None:
                    help="partial-prompt leakage audit (Wu et al. 2025): cut each held-out problem to these "
                         "fractions of its words, e.g. 0.4,0.6,0.8, continue greedily, report completion exact "
                         "match, ROUGE-L and answer accuracy (default: off)")
+    p.add_argument("--judge-probe", nargs="?", const="", default=None, metavar="KEYS_FILE",
+                   help="judge robustness (Zhao et al. 2025): score \"master key\" responses with no answer "
+                        "(':', 'Solution', ...) with the configured rewards on the held-out problems and report "
+                        "each reward's false-positive rate; optional file of keys, one per line or a JSON list "
+                        "(write --judge-probe=FILE; a bare --judge-probe goes last on the line; default: off)")
 
     p = sub.add_parser("compare", help="train the same job with several algorithms and write one report")
     p.add_argument("--algorithms", "-a", required=True, help="comma-separated recipe names, e.g. grpo,flowrl,dapo")
@@ -94,7 +99,16 @@ def settings_from(args, n: int | None = None):
                         embeddings=not args.no_embeddings, effective_rank=not args.no_effective_rank,
                         sparse_tokens=args.sparse_tokens, gain_k=args.gain_k,
                         contamination=getattr(args, "contamination", []),
-                        bon_frontier=args.bon_frontier)
+                        bon_frontier=args.bon_frontier, judge_probe=_probe_keys(getattr(args, "judge_probe", None)))
+
+
+def _probe_keys(value: str | None) -> list[str] | None:
+    """--judge-probe: None when absent, the paper's keys when given alone, else the keys in the file."""
+    if value is None:
+        return None
+    from anabranch.eval.judge_probe import DEFAULT_MASTER_KEYS, load_keys
+
+    return list(DEFAULT_MASTER_KEYS) if value == "" else load_keys(value)
 
 
 def run(args) -> int:

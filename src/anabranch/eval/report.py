@@ -331,6 +331,7 @@ figcaption{font-size:12px;color:#555;max-width:500px}img{max-width:520px}"""
 
 def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anabranch report") -> Path:
     from anabranch.eval.contamination import report_table as contamination_table
+    from anabranch.eval.judge_probe import report_table as judge_probe_table
 
     if not run_dirs:
         raise ValueError("name at least one run directory")
@@ -355,7 +356,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "anab
             f"<p>Runs: {', '.join(html.escape(r['path']) for r in runs)}</p>"
             f"<h2>Summary</h2>{summary_table(runs)}{diversity_table(runs)}{support_table(runs)}"
             f"{sparse_selection_table(runs)}{gain_interference_tables(runs)}{bon_frontier.report_table(runs)}"
-            f"{contamination_table(runs)}"
+            f"{contamination_table(runs)}{judge_probe_table(runs)}"
             f"<h2>Plots</h2><div class='grid'>{body}</div></body></html>")
     out.write_text(page, encoding="utf-8")
     return out

@@ -54,6 +54,10 @@ class EvalSettings:
     # tilted reward-vs-KL curves, and each later model's reward and KL to it (one forward pass of
     # each model over its samples, the base loaded beside it). Off: no extra pass.
     bon_frontier: bool = False
+    # Judge-robustness probe (Zhao et al. 2025, eval/judge_probe.py): "master key" responses (":",
+    # "Solution", ...) scored by the configured rewards on the held-out problems; the false-positive
+    # rate per reward and key. None (the default): off, nothing scored.
+    judge_probe: list | None = None
 
     def check(self) -> None:
         """Cheap range checks, run before any model is loaded (a bad --n or --k used to surface
@@ -86,6 +90,10 @@ class EvalSettings:
             from anabranch.eval.contamination import check_ratios
 
             check_ratios(self.contamination)
+        if self.judge_probe is not None:
+            from anabranch.eval.judge_probe import check_keys
+
+            check_keys(self.judge_probe)
 
 
 @dataclass
@@ -301,6 +309,12 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         raise ConfigError("--contamination continues truncated problem text without tools; unset rollout.tools "
                           "for the audit")
     out = Path(out_dir)  # created once there is something to write: a failed load leaves no empty folder
+    probe = None
+    if settings.judge_probe is not None:  # the rewards, not the models, are probed: once, before any model loads
+        from anabranch.eval import judge_probe
+
+        probe = judge_probe.run_probe(cfg, settings.judge_probe, settings.correct_threshold)
+        print(judge_probe.summary_line(probe))
     entries, highs = [], {}
     for i, spec in enumerate(specs):
         # Later models are compared with the first (sparse selection); the first one alone needs no base.
@@ -317,6 +331,8 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
                 from anabranch.eval import bon_frontier
 
                 entry["bon_frontier"] = bon_frontier.against_base(entries[0], entry)
+        if probe is not None:  # in each entry, so that a run's eval_passk.json (and its report) has it
+            entry["judge_probe"] = probe
         entries.append(entry)
         highs[spec.label] = high
         print(f"{spec.label}: " + ", ".join(f"pass@{k}={v:.3f}" for k, v in entry["pass@k"].items())

@@ -151,7 +151,12 @@ def score_detailed(sources: list[RewardSource], prompts: list[str], completions:
         if src.state is not None:  # stateful sources run in this process (in_process) and update it in place
             kwargs["reward_state"] = src.state
         isolation = "thread" if src.meta.get("in_process") and settings.isolation == "process" else settings.isolation
-        if missing:
+        if missing and src.meta.get("process_reward"):
+            # A process reward (the PRM's) adds 0 to the sequence reward by design: its signal is the step rewards
+            # that only the trainer's training rollouts carry. Other scoring calls (AMPO's candidates, RL-PLUS's
+            # demonstrations, DPH's presampling, eval) lack its fields; that is no failure, strict or not.
+            res_values, res_metrics, failed = [0.0] * len(completions), {}, False
+        elif missing:
             from anabranch.rewards.guard import RewardError
 
             if settings.strict:

@@ -13,12 +13,14 @@ and generates greedily (``max_new_tokens``). Its output is parsed strictly:
 Reward = (N − min_score) / (max_score − min_score).
 
 Adversarial completions ("One Token to Fool LLM-as-a-Judge", Zhao et al. 2025: a lone ":", ".",
-"Solution:", "Thought process:", "Let's solve this problem step by step." make generative judges
-answer positively). The parser reads only the judge's output, so it cannot tell whether the judge
-was fooled; what it does about such completions: with ``reject_trivial=true`` (default), a
-completion that has no letter or digit left once those lead-in phrases are removed scores 0
-without asking the judge (counted in ``reward/<name>/trivial_rejected``). Completions with real
-but wrong content that fool the judge are not caught: use a judge trained against them.
+"Solution:", "Thought process:", "Let's solve this problem step by step.", "解", "かいせつ",
+"Respuesta" make generative judges answer positively; ``anabranch eval --judge-probe`` measures a
+configured judge's false-positive rate on them, eval/judge_probe.py). The parser reads only the
+judge's output, so it cannot tell whether the judge was fooled; what it does about such
+completions: with ``reject_trivial=true`` (default), a completion that has no letter or digit left
+once those lead-in phrases are removed scores 0 without asking the judge (counted in
+``reward/<name>/trivial_rejected``). Completions with real but wrong content that fool the judge
+are not caught: use a judge trained against them.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ DEFAULT_TEMPLATE = (
 )
 _SCORE_LINE = re.compile(r"Score: (-?\d{1,6})")
 # Lead-ins the paper found to fool judges on their own; removed before the "has content" check.
+# Its multilingual keys too ("解", Japanese "かいせつ", Spanish "Respuesta"): kana count as letters.
 _MASTER_KEYS = re.compile(
-    r"(?i)(let'?s solve this problem step by step|thought process|solution|answer|step \d+|解)")
+    r"(?i)(let'?s solve this problem step by step|thought process|solution|answer|respuesta|step \d+|解|かいせつ)")
 _lock = threading.Lock()
 
 

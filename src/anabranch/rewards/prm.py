@@ -9,17 +9,21 @@ the ``good_token`` label against the ``bad_token`` label read at the k-th tag:
 
 (the logits at the tag predict the label that follows it). The PRM's input is the row's ``question``
 field (else the prompt text), then "\\n", then the steps, each as ``step text + " " + tag + "\\n"``; tag,
-good and bad must each be exactly one token of the PRM's tokenizer.
+good and bad must each be exactly one token of the PRM's tokenizer. An input longer than the PRM's
+``max_position_embeddings`` is cut (:func:`prm_inputs`): the question's start first, then the last steps.
 
 The scores are computed by the trainer (``trainer/collect.py`` calls :func:`prm_fields`), batched,
 without gradients, ``batch_size`` rows at a time; each step's end is also located as a token position
 of the policy's response, so that ``algorithms/prm_shaping.py`` (``reward.prm_shaping``) can put step
-rewards there. The registered ``prm`` reward itself adds 0 to the sequence reward: its signal goes on
-the step-end tokens (its ``weight`` scales the step rewards), and its metrics report the scores.
+rewards there (``Rollout.process_rewards``). The registered ``prm`` reward itself adds 0 to the sequence
+reward: its signal goes on the step-end tokens (its ``weight`` scales the step rewards), and its metrics
+report the scores; scoring calls without its fields (eval, AMPO's candidates, ...) skip it
+(rewards/compose.py), which is no failure.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import lru_cache
 
@@ -46,15 +50,30 @@ def split_steps(text: str, delimiter: str = "\n\n") -> list[tuple[int, int]]:
     return spans
 
 
-def step_end_tokens(decode, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
-    """For each step span, the index of the first token after which the decoded prefix reaches the
-    step's last character (binary search over prefix decodes: K·log T decodes, not T)."""
+def _reach(prefix: str, text: str) -> int:
+    """How many characters of ``text`` a prefix decode has produced: the length of their common prefix, not
+    ``len(prefix)``, since a prefix decode need not be a prefix of the full decode: a multi-byte character cut
+    between tokens decodes to U+FFFD until its last byte, and ``clean_up_tokenization_spaces`` joins " ," to
+    "," only once the "," is decoded."""
+    n = min(len(prefix), len(text))
+    k = 0
+    while k < n and prefix[k] == text[k]:
+        k += 1
+    return k
+
+
+def step_end_tokens(decode, ids: list[int], spans: list[tuple[int, int]], text: str | None = None) -> list[int]:
+    """For each step span of ``text`` (= ``decode(ids)``), the index of the first token after which the
+    decoded prefix has produced the step's last character in full (binary search over prefix decodes:
+    K·log T decodes, not T; :func:`_reach` measures how far a prefix got)."""
+    if text is None:
+        text = decode(ids)
     ends = []
     for _, end in spans:
         lo, hi = 0, len(ids) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(decode(ids[:mid + 1])) >= end:
+            if _reach(decode(ids[:mid + 1]), text) >= end:
                 hi = mid
             else:
                 lo = mid + 1
@@ -70,15 +89,23 @@ def single_token(tok, text: str, key: str) -> int:
     return ids[0]
 
 
-def prm_inputs(tok, question: str, steps: list[str], tag_id: int) -> tuple[list[int], list[int]]:
-    """The PRM's token ids for one completion and the positions of its step tags."""
-    ids = tok(question + "\n", add_special_tokens=False)["input_ids"]
-    tags = []
+def prm_inputs(tok, question: str, steps: list[str], tag_id: int,
+               max_len: int | None = None) -> tuple[list[int], list[int]]:
+    """The PRM's token ids for one completion and the positions of its step tags. Longer than ``max_len``
+    (the PRM's position limit): the question is cut from its start (its end, next to the steps, is kept),
+    then, if the steps alone do not fit, the input is cut at ``max_len`` and the steps whose tag falls past it
+    get no score (they are dropped from the end: the returned tags are fewer than the steps)."""
+    q = tok(question + "\n", add_special_tokens=False)["input_ids"]
+    body, tags = [], []
     for step in steps:
-        ids = ids + tok(step + " ", add_special_tokens=False)["input_ids"]
-        tags.append(len(ids))
-        ids = ids + [tag_id] + tok("\n", add_special_tokens=False)["input_ids"]
-    return ids, tags
+        body = body + tok(step + " ", add_special_tokens=False)["input_ids"]
+        tags.append(len(body))
+        body = body + [tag_id] + tok("\n", add_special_tokens=False)["input_ids"]
+    if max_len is not None and len(q) + len(body) > max_len:
+        q = q[len(q) - max(max_len - len(body), 0):] if len(body) < max_len else []
+        body = body[:max_len - len(q)]
+        tags = [t for t in tags if t < len(body)]
+    return q + body, [len(q) + t for t in tags]
 
 
 @lru_cache(maxsize=2)
@@ -99,7 +126,8 @@ def score_steps(model, tok, questions: list[str], steps: list[list[str]], step_t
     tag, good, bad = (single_token(tok, t, k) for t, k in
                       ((step_tag, "step_tag"), (good_token, "good_token"), (bad_token, "bad_token")))
     device = next(model.parameters()).device
-    built = [prm_inputs(tok, q, s, tag) for q, s in zip(questions, steps)]
+    limit = getattr(model.config, "max_position_embeddings", None)  # longer inputs are cut (prm_inputs)
+    built = [prm_inputs(tok, q, s, tag, limit) for q, s in zip(questions, steps)]
     out: list[list[float]] = []
     with _lock, torch.no_grad():  # one PRM shared by threads
         for s in range(0, len(built), batch_size):
@@ -111,7 +139,7 @@ def score_steps(model, tok, questions: list[str], steps: list[list[str]], step_t
                 ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
             for i, (_, tags) in enumerate(chunk):
-                z = logits[i, tags][:, [good, bad]].float()  # [K, 2]
+                z = logits[i, tags][:, [good, bad]].float()  # [K', 2], K' ≤ K steps fit the PRM's positions
                 out.append(torch.softmax(z, -1)[:, 0].cpu().tolist())
     return out
 
@@ -133,7 +161,7 @@ def prm_fields(sources, tokenizer, rollout, rows) -> dict[str, list]:
         text = decode(ids)
         spans = split_steps(text, p["step_delimiter"])
         steps.append([text[a:b] for a, b in spans])
-        ends.append(step_end_tokens(decode, ids, spans) if ids else [])
+        ends.append(step_end_tokens(decode, ids, spans, text) if ids else [])
         q = rows[i].get("question") if isinstance(rows[i], dict) else None
         questions.append(str(q) if q is not None else rollout.prompts[groups[i]])
     todo = [i for i in range(len(steps)) if steps[i]]
@@ -142,6 +170,7 @@ def prm_fields(sources, tokenizer, rollout, rows) -> dict[str, list]:
     scores: list[list[float]] = [[] for _ in steps]
     for i, s in zip(todo, scored):
         scores[i] = s
+        ends[i] = ends[i][:len(s)]  # steps past the PRM's position limit got no score: no step reward either
     return {"prm_step_scores": scores, "prm_step_ends": ends}
 
 
@@ -151,6 +180,9 @@ def check_params(params: dict) -> None:
 
     if not params.get("model_path"):
         raise ConfigError("reward.functions[prm].params.model_path is required (a local Hugging Face model folder)")
+    if not os.path.isdir(str(params["model_path"])):  # nothing is downloaded: a folder on this machine
+        raise ConfigError(f"reward.functions[prm].params.model_path={params['model_path']!r} is not an existing "
+                          "folder (a local Hugging Face PRM: config, weights and tokenizer)")
     unknown = set(params) - set(DEFAULTS) - {"model_path"}
     if unknown:
         raise ConfigError(f"reward.functions[prm].params: unknown keys {sorted(unknown)} (known: model_path, "

@@ -21,6 +21,7 @@ the advantages and the metrics are taken over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -61,6 +62,9 @@ class Rollout:
     # [B, K] each attempt's outcome in a "Try again" episode (rollout.retry_turns=K): 1 right, 0 wrong,
     # -1 not made; the per-turn rewards of algorithm.advantage=trloo. None: not a multi-attempt rollout.
     attempt_correct: Optional[torch.Tensor] = None
+    # [B, R] process (step) rewards added to the token-level rewards: PRM-Clip/Delta's α·r_k at each step's
+    # end token (reward.prm_shaping, algorithms/prm_shaping.py). None: no process rewards (the default).
+    process_rewards: Optional[torch.Tensor] = None
     metrics: dict = field(default_factory=dict)  # the rollout's own metrics (tool calls, ...)
 
     @property
@@ -81,6 +85,31 @@ class Rollout:
         if self.loss_mask is None:
             return self.response_mask
         return self.response_mask * self.loss_mask.to(self.response_mask.dtype)
+
+    def take(self, rows) -> "Rollout":
+        """The sequences ``rows`` (indices, in that order, repeats allowed): every per-row field sliced,
+        whatever fields the class holds (tensors on dim 0, lists picked, None kept), so that a new field
+        cannot be dropped by a caller that forgets it. ``group_index`` keeps its numbers and ``prompts``
+        (one per group) and ``metrics`` are copied whole: callers that renumber groups set both after."""
+        keep = [int(i) for i in rows]
+        sel = torch.tensor(keep, dtype=torch.long)
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in NOT_PER_ROW:
+                v = type(v)(v)
+            elif isinstance(v, torch.Tensor):
+                v = v[sel]
+            elif isinstance(v, list):
+                v = [v[i] for i in keep]
+            elif v is not None:
+                raise TypeError(f"Rollout.{f.name}: take() does not know how to slice a {type(v).__name__}")
+            out[f.name] = v
+        return Rollout(**out)
+
+
+# Rollout fields that are not one entry per sequence: take() copies them whole.
+NOT_PER_ROW = frozenset({"prompts", "metrics"})
 
 
 def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

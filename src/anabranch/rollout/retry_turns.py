@@ -184,14 +184,17 @@ class RetryTurnsBackend:
         )
 
 
-def _reward_names(cfg) -> list[str]:
-    return [f.name if hasattr(f, "name") else f.get("name") for f in cfg.reward.functions]
+def reward_entries(cfg) -> list[tuple[str, float]]:
+    """(name, weight) of each ``reward.functions`` entry, whether it is a RewardFunctionConfig or a plain dict
+    (a Config built in code); shared with algorithms/trloo.py's check."""
+    return [(f.name, float(f.weight)) if hasattr(f, "name") else (f.get("name"), float(f.get("weight", 1.0)))
+            for f in cfg.reward.functions]
 
 
 def check_config(cfg) -> None:
     """Combinations ``rollout.retry_turns`` cannot take, refused when the config is loaded (called for
     every config: the ``retry_turns`` reward without retry turns is refused too)."""
-    r, a, names = cfg.rollout, cfg.algorithm, _reward_names(cfg)
+    r, a, names = cfg.rollout, cfg.algorithm, [name for name, _ in reward_entries(cfg)]
     if r.retry_turns < 2:
         if "retry_turns" in names:  # one attempt: γ^0·1[correct] − 0, a plain correctness reward in disguise
             raise ConfigError(f"reward.functions: the retry_turns reward needs rollout.retry_turns >= 2 (got "

@@ -17,7 +17,6 @@ from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.ppl_position import ppl_position_on, ppl_position_shaping
 from anabranch.algorithms.ppo_value import response_values
-from anabranch.algorithms.prm_shaping import get_process_rewards
 from anabranch.algorithms.progrpo import answer_confidence, progrpo_advantages, progrpo_on, prompt_confidence
 from anabranch.algorithms.ucas import head_stats, ucas_advantages, ucas_on
 from anabranch.models.chunked_logprobs import supports_chunked_head
@@ -118,8 +117,8 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
 
     metrics: dict = {}
     token_rewards = token_level_rewards(rewards, mask)
-    if (process := get_process_rewards(rollout)) is not None:  # PRM-Clip/Delta's step rewards (reward.prm_shaping)
-        token_rewards = token_rewards + process.to(token_rewards.dtype) * mask
+    if rollout.process_rewards is not None:  # PRM-Clip/Delta's step rewards (reward.prm_shaping)
+        token_rewards = token_rewards + rollout.process_rewards.to(token_rewards) * mask
     beta = kl_controller.value if kl_controller is not None else cfg.kl_coef
     if "old_log_prob" in pre and "ref_log_prob" in pre:
         kl = kl_penalty(pre["old_log_prob"], pre["ref_log_prob"], cfg.kl_estimator) * mask

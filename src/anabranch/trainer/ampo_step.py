@@ -3,15 +3,20 @@
 Each step, after the rollouts are scored: for every group with no correct sample, the row's teacher
 solutions (``algorithm.ampo.solutions_column``) are scored by the run's rewards against that row; the
 correct ones are tokenized after the group's own prompt tokens (the same context as its samples) and
-ranked by the student's mean token log-prob (one no-gradient chunked forward, ``rollout_forward``);
-the top ``num_replace`` replace the group's last samples. ``precomputed["ampo_rows"]`` marks them for
-``policy_update`` (trainer/step.py), which trains them with the shaped off-policy term.
+ranked by the student's mean token log-prob (one no-gradient chunked forward, ``rollout_forward``, within
+the step's ``micro_tokens`` budget); the top ``num_replace`` replace the group's last samples.
+``precomputed["ampo_rows"]`` marks them for ``policy_update`` (trainer/step.py), which trains them with
+the shaped off-policy term.
 
 The batch keeps its size (rows are replaced, never added), so under plain DDP each rank guides its
 own groups and no rank waits on another; the logged counts are summed over the ranks:
 ``ampo/guided_groups`` (groups that got teacher rows this step), ``ampo/no_candidate_groups`` (all-fail
 groups without a correct teacher solution) and ``ampo/selected_logprob`` (mean over the injected rows
-of the student's mean token log-prob, 0 when none).
+of the student's mean token log-prob, 0 when none) and ``ampo/pre_accuracy`` (the fraction of the step's
+own samples that were correct, before the teacher rows replaced some: the loop's ``accuracy``,
+``reward/mean``, lengths and ``groups/all_equal_frac`` are taken after, so they count teacher rows).
+A candidate is scored as a sample is: the run's rewards, then DAPO's overlong penalty
+(``algorithm.overlong_buffer > 0``), and it ends with the policy's own stop token (:func:`stop_token`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import dataclasses
 
 import torch
 
-from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, select_top
+from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, run_problem, select_top
+from anabranch.algorithms.overlong import overlong_penalty
 from anabranch.algorithms.guide import all_fail_groups
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
@@ -37,17 +43,46 @@ class AMPOStep:
 
     batch: ScoredBatch
     injected: torch.Tensor | None   # [B] bool; None when nothing was injected (on every rank)
+    # [B] 1.0/0.0: each row's own sample correct, before the injection (rows keep their places); the
+    # loop's task mixture counts these, so teacher rows are not taken for the policy's successes.
+    pre_correct: list[float] = dataclasses.field(default_factory=list)
 
     def precomputed(self, pre: dict) -> dict:
         return pre if self.injected is None else {**pre, "ampo_rows": self.injected}
 
 
-def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt: str,
-                      texts: list[str], max_tokens: int) -> Rollout:
-    """One group of ``texts`` as responses after the group's prompt tokens (``prompt_ids``/``prompt_mask``:
-    [P], its left-padded row): each ``text + eos``, cut to ``max_tokens`` (then truncated, without eos)."""
+def stop_token(tokenizer, eos_ids, chat: bool) -> int | None:
+    """The token the policy ends an answer with, for the teacher rows to end the same way.
+
+    ``eos_ids``: the backend's stop ids (the tokenizer's EOS and the generation config's). Under a chat
+    template (``chat``) the template's end-of-turn token (the first token after an assistant message's
+    text) when it is a stop id: a chat model's EOS may be another token (``<|endoftext|>`` beside
+    ``<|im_end|>``), and the student must not learn to end with it. Else the tokenizer's EOS when it is a
+    stop id, else the first stop id; None without any."""
+    stops = [int(t) for t in eos_ids or ()]
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    stops = stops or ([int(eos)] if eos is not None else [])
+    if chat and getattr(tokenizer, "chat_template", None):
+        mark = "AMPO-END-MARK"
+        try:
+            turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}]
+            text = tokenizer.apply_chat_template(turn, tokenize=False)
+            tail = tokenizer(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]
+        except Exception:  # a template that refuses this conversation: the EOS below
+            tail = []
+        if tail and int(tail[0]) in stops:
+            return int(tail[0])
+    if eos is not None and int(eos) in stops:
+        return int(eos)
+    return stops[0] if stops else None
+
+
+def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt: str,
+                      texts: list[str], max_tokens: int, eos: int | None) -> Rollout:
+    """One group of ``texts`` as responses after the group's prompt tokens (``prompt_ids``/``prompt_mask``:
+    [P], its left-padded row): each ``text + eos`` (``eos``: the policy's stop token, :func:`stop_token`),
+    cut to ``max_tokens`` (then truncated, without eos)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     seqs, truncated = [], []
     for t in texts:
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
@@ -68,19 +103,7 @@ def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
 
 def take_rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
     """The rows ``keep`` of a one-group batch (its group stays 0)."""
-    r, sel = batch.rollout, torch.tensor(keep, dtype=torch.long)
-    # Every per-row field, whatever the Rollout holds (tensors [B, ...] indexed, completions picked).
-    fields = {}
-    for f in dataclasses.fields(r):
-        v = getattr(r, f.name)
-        if f.name == "completions":
-            v = [v[i] for i in keep]
-        elif isinstance(v, torch.Tensor):
-            v = v[sel]
-        elif isinstance(v, (list, dict)):
-            v = type(v)(v)
-        fields[f.name] = v
-    rollout = Rollout(**fields)
+    rollout = batch.rollout.take(keep)  # every per-row field, whatever the Rollout holds
     return ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
                        {k: [v[i] for i in keep] for k, v in batch.per_source.items()}, batch.t_generate)
 
@@ -88,8 +111,8 @@ def take_rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
 class AMPO:
     """What the loop holds for AMPO; :meth:`step` acts on each scored batch."""
 
-    def __init__(self, cfg: Config, dist=None):
-        self.cfg, self.a, self.dist = cfg, cfg.algorithm.ampo, dist
+    def __init__(self, cfg: Config, dist=None, stop: int | None = None):
+        self.cfg, self.a, self.dist, self.stop = cfg, cfg.algorithm.ampo, dist, stop
         self.world_size = getattr(dist, "world_size", 1) or 1
 
     @classmethod
@@ -98,6 +121,8 @@ class AMPO:
         teacher solution in the column (before any work)."""
         if not cfg.algorithm.ampo.enabled:
             return None
+        if (error := run_problem(cfg)) is not None:  # as at config load, for a Config built in code
+            raise ConfigError(error)
         from anabranch.trainer.distributed import require_plain_ddp
 
         require_plain_ddp(dist, "algorithm.ampo.enabled", "AMPO's selection forward runs on a varying number of "
@@ -108,7 +133,8 @@ class AMPO:
             raise ConfigError(f"algorithm.ampo.solutions_column={column!r}: no training row has a teacher solution "
                               f"there (a list of texts or a text; the first row's fields: {sorted(c.train_rows[0])}); "
                               "name the column that holds them, or set algorithm.ampo.enabled=false")
-        return cls(cfg, dist)
+        stop = stop_token(c.tokenizer, getattr(getattr(c, "backend", None), "eos_ids", None), cfg.task.chat_template)
+        return cls(cfg, dist, stop)
 
     def candidates(self, c, batch: ScoredBatch, g: int, first: int):
         """Group ``g``'s correct teacher solutions as a scored one-group batch (None when there is none)."""
@@ -117,7 +143,7 @@ class AMPO:
         if not texts:
             return None
         r = candidate_rollout(c.tokenizer, batch.rollout.prompt_ids[first], batch.rollout.prompt_mask[first], prompt,
-                              texts, self.cfg.rollout.max_new_tokens)
+                              texts, self.cfg.rollout.max_new_tokens, self.stop)
         extra = trainer_fields(c.rewards, c.model, r, self.cfg.trainer.micro_batch_size)
         if any(src.meta.get("needs_policy_forward") for src in c.rewards):  # RLPR's probability reward, as the samples'
             from anabranch.rewards.rlpr import rlpr_fields
@@ -127,14 +153,22 @@ class AMPO:
         scored = score_detailed(c.rewards, [prompt] * len(texts), texts, [row] * len(texts),
                                 group_index=[g] * len(texts), extra_fields=extra)
         per_source = {k: list(scored.per_source.get(k, [0.0] * len(texts))) for k in batch.per_source}
-        cand = ScoredBatch(r, [row] * len(texts), list(scored.total), per_source)
+        total = list(scored.total)
+        a = self.cfg.algorithm
+        if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, as generate_scored gives the samples
+            pen = overlong_penalty(r.response_lengths, self.cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                   a.overlong_penalty).tolist()
+            total, per_source["overlong"] = [t + p for t, p in zip(total, pen)], pen
+        cand = ScoredBatch(r, [row] * len(texts), total, per_source)
         ok = batch_correct(cand, c.rewards)
         keep = [i for i, v in enumerate(ok) if v == 1.0]
         return take_rows(cand, keep) if keep else None
 
-    def step(self, c, batch: ScoredBatch) -> AMPOStep:
+    def step(self, c, batch: ScoredBatch, micro_tokens: int = 0) -> AMPOStep:
+        """``micro_tokens``: the step's token budget per micro-batch (0: rows), for the selection forward."""
         groups = batch.rollout.group_index
-        failed = all_fail_groups(torch.tensor(batch_correct(batch, c.rewards)), groups)
+        correct = batch_correct(batch, c.rewards)
+        failed = all_fail_groups(torch.tensor(correct), groups)
         first = {g: int((groups == g).nonzero()[0]) for g in failed}
         found = {g: cand for g in failed if (cand := self.candidates(c, batch, g, first[g])) is not None}
         # Teacher texts are not the policy's answers: stateful rewards (OLR, LASER-D) must not learn from them.
@@ -146,31 +180,33 @@ class AMPO:
             from anabranch.trainer.advantage_pass import rollout_forward
 
             lp, _ = rollout_forward(c.model, pool.rollout, self.cfg.trainer.micro_batch_size,
-                                    self.cfg.rollout.temperature)
+                                    self.cfg.rollout.temperature, micro_batch_tokens=micro_tokens)
             scores = mean_log_prob(lp, pool.rollout.response_mask.float())
             for k, g in enumerate(order):
                 rows = (pool.rollout.group_index == k).nonzero().flatten().tolist()
                 s = [float(scores[i]) for i in rows]
-                top = (select_top(s, [True] * len(s), self.a.num_replace) if self.a.selection == "mean_logprob"
+                top = (select_top(s, self.a.num_replace) if self.a.selection == "mean_logprob"
                        else list(range(min(self.a.num_replace, len(s)))))
                 chosen[g] = take_rows(found[g], top)
-                lps[g] = [lp[rows[i]] for i in top], [s[i] for i in top]
+                lps[g] = [s[i] for i in top]
         out, injected, picked = batch, None, []
         if chosen:
-            out, injected = self.replace(batch, chosen, {g: v[0] for g, v in lps.items()})
-            picked = [x for g in chosen for x in lps[g][1]]
+            out, injected = self.replace(batch, chosen)
+            picked = [x for g in chosen for x in lps[g]]
         counts = torch.tensor([float(len(chosen)), float(len(failed) - len(found)), float(sum(picked)),
-                               float(len(picked))], dtype=torch.float64)
+                               float(len(picked)), float(sum(correct)), float(len(correct))], dtype=torch.float64)
         if self.world_size > 1:  # global numbers on every rank, and whether any rank injected
             counts = self.dist.all_reduce_sum(counts)
-        n_guided, n_none, lp_sum, n_rows = counts.tolist()
+        n_guided, n_none, lp_sum, n_rows, pre_ok, pre_tot = counts.tolist()
         if n_rows > 0 and injected is None:  # another rank injected: every rank passes the same keys
             injected = torch.zeros(len(out.rows), dtype=torch.bool)
         out.metrics = {**out.metrics, "ampo/guided_groups": n_guided, "ampo/no_candidate_groups": n_none,
-                       "ampo/selected_logprob": lp_sum / max(n_rows, 1.0)}
-        return AMPOStep(out, injected)
+                       "ampo/selected_logprob": lp_sum / max(n_rows, 1.0),
+                       # the policy's own accuracy: the loop's `accuracy` is taken after, with the teacher rows
+                       "ampo/pre_accuracy": pre_ok / max(pre_tot, 1.0)}
+        return AMPOStep(out, injected, correct)
 
-    def replace(self, batch: ScoredBatch, chosen: dict, lps: dict):
+    def replace(self, batch: ScoredBatch, chosen: dict):
         """``batch`` with each chosen group's last rows replaced by its teacher rows; (batch, [B] injected)."""
         parts, flags = [], []
         for g in range(len(batch.rollout.prompts)):
@@ -182,10 +218,8 @@ class AMPO:
             teach = chosen[g]
             k = min(len(teach.rows), len(own.rows))
             teach = take_rows(teach, list(range(k)))
-            if own.rollout.sample_log_probs is not None:  # the student's own log-probs stand for the sampler's
-                w = teach.rollout.response_ids.shape[1]
-                teach.rollout.sample_log_probs = torch.stack([lp[:w] for lp in lps[g][:k]]).to(
-                    own.rollout.sample_log_probs.dtype)
+            # No sampler log-probs to give the teacher rows: the samplers that record them (EAD's schedule,
+            # vLLM, tools, retry turns) are refused with AMPO (algorithms/ampo.py check_run).
             if own.rollout.loss_mask is not None:
                 teach.rollout.loss_mask = torch.ones_like(teach.rollout.response_mask)
             kept = take_rows(own, list(range(len(own.rows) - k)))

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from anabranch.algorithms.overlong import overlong_penalty
-from anabranch.algorithms.prm_shaping import get_process_rewards, set_process_rewards
 from anabranch.eval.accuracy import correct_flags, correctness_source
 from anabranch.rewards import score_detailed
 from anabranch.rewards.compose import commit_reward_states
@@ -224,18 +223,9 @@ def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
     r = batch.rollout
     new_id = {g: i for i, g in enumerate(groups)}
     rows_idx = [i for i, g in enumerate(r.group_index.tolist()) if g in new_id]
-    sel = torch.tensor(rows_idx, dtype=torch.long)
-    rollout = Rollout(
-        prompt_ids=r.prompt_ids[sel], prompt_mask=r.prompt_mask[sel], response_ids=r.response_ids[sel],
-        response_mask=r.response_mask[sel],
-        group_index=torch.tensor([new_id[int(g)] for g in r.group_index[sel]], dtype=r.group_index.dtype),
-        prompts=[r.prompts[g] for g in groups], completions=[r.completions[i] for i in rows_idx],
-        truncated=r.truncated[sel],
-        sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel],
-        loss_mask=None if r.loss_mask is None else r.loss_mask[sel],
-        attempt_correct=None if r.attempt_correct is None else r.attempt_correct[sel], metrics=dict(r.metrics))
-    if (prm := get_process_rewards(r)) is not None:  # PRM step rewards [B, R] (algorithms/prm_shaping.py)
-        set_process_rewards(rollout, prm[sel])
+    rollout = r.take(rows_idx)  # every per-row field, whatever the Rollout holds
+    rollout.group_index = torch.tensor([new_id[int(g)] for g in rollout.group_index], dtype=r.group_index.dtype)
+    rollout.prompts = [r.prompts[g] for g in groups]
     return ScoredBatch(rollout, [batch.rows[i] for i in rows_idx], [batch.total[i] for i in rows_idx],
                        {k: [v[i] for i in rows_idx] for k, v in batch.per_source.items()}, batch.t_generate)
 
@@ -259,6 +249,19 @@ def _attempts(parts: list) -> torch.Tensor | None:
                       for p in parts])
 
 
+def _process_rewards(rs: list[Rollout]) -> torch.Tensor | None:
+    """The rounds' PRM step rewards ``Rollout.process_rewards`` re-right-padded as the responses (with 0: no
+    step ends there); None when no round has them. Rows without them beside rows with them would train on
+    the outcome alone while their neighbours get step rewards, so that mix is an error, not a silent zero."""
+    have = [r.process_rewards is not None for r in rs]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError("concat_batches: some rounds carry PRM step rewards (Rollout.process_rewards) and others "
+                         "not; rows added to a batch under reward.prm_shaping must be scored by rewards/prm.py too")
+    return _pad([r.process_rewards for r in rs], left=False)
+
+
 def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
     """One batch of several rounds: prompts re-left-padded, responses re-right-padded."""
     rs = [b.rollout for b in batches]
@@ -279,9 +282,8 @@ def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
         group_index=torch.cat([r.group_index + o for r, o in zip(rs, offsets)]),
         prompts=[p for r in rs for p in r.prompts], completions=[c for r in rs for c in r.completions],
         truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp, loss_mask=loss_mask,
-        attempt_correct=_attempts([r.attempt_correct for r in rs]), metrics=dict(rs[-1].metrics))
-    if all(get_process_rewards(r) is not None for r in rs):  # PRM step rewards, re-right-padded as the responses
-        set_process_rewards(rollout, _pad([get_process_rewards(r) for r in rs], left=False))
+        attempt_correct=_attempts([r.attempt_correct for r in rs]), process_rewards=_process_rewards(rs),
+        metrics=dict(rs[-1].metrics))
     keys = batches[0].per_source.keys()
     return ScoredBatch(rollout, [x for b in batches for x in b.rows], [x for b in batches for x in b.total],
                        {k: [x for b in batches for x in b.per_source[k]] for k in keys})

@@ -125,12 +125,7 @@ def merge_groups(batch, extra, owner: torch.Tensor):
     # Stable sort by group: a group's first-stage rows, then its extra rows, in sampling order.
     order = torch.sort(r.group_index, stable=True).indices
     take = order.tolist()
-    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index", "truncated",
-                 "sample_log_probs", "loss_mask"):
-        value = getattr(r, name)
-        if value is not None:
-            setattr(r, name, value[order])
-    r.completions = [r.completions[i] for i in take]
+    r = r.take(take)  # every per-row field (PRM step rewards included), whatever the Rollout holds
     r.metrics = {**batch.rollout.metrics, **_summed(batch.rollout.metrics, extra.rollout.metrics)}
     metrics = {**batch.metrics, **_summed(batch.metrics, extra.metrics)}
     return ScoredBatch(r, [both.rows[i] for i in take], [both.total[i] for i in take],

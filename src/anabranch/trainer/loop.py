@@ -39,6 +39,7 @@ from anabranch.trainer.guide_step import Guide
 from anabranch.trainer.scaffold_step import Scaffold
 from anabranch.trainer.ampo_step import AMPO
 from anabranch.trainer.rl_plus_step import RLPlus
+from anabranch.trainer.rltf_sd_step import RLTFSD
 from anabranch.trainer.kdrl_step import KDRL
 from anabranch.trainer.srpo_step import SRPO
 from anabranch.trainer.spae_step import SPAE, check_spae_run
@@ -102,6 +103,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     kdrl = KDRL.create(cfg, dist, c)  # KDRL (trainer/kdrl_step.py): None unless algorithm.kdrl.teacher
     srpo = SRPO.create(cfg, dist, c)  # SRPO (trainer/srpo_step.py): None unless algorithm.srpo_coef > 0
     spae = SPAE.create(cfg, dist, c)  # SPAE (trainer/spae_step.py): None unless algorithm.spae_coef > 0
+    rltf_sd = RLTFSD.create(cfg, dist, c)  # RLTF-SD (trainer/rltf_sd_step.py): None unless algorithm.rltf_sd_coef > 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lr_lambda(cfg))
     acc_src = correctness_source(c.rewards)
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -183,7 +185,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # Hint scaffolding (GHPO): all-fail groups sampled again with a growing solution prefix, trained in it
             batch = batch if scaffold is None else scaffold.step(c, batch, step)
             # AMPO: all-fail groups get the teachers' correct solutions the student finds most likely, in place
-            ampo_step = None if ampo is None else ampo.step(c, batch)
+            ampo_step = None if ampo is None else ampo.step(c, batch, micro_tokens)
             batch = batch if ampo_step is None else ampo_step.batch
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
@@ -210,6 +212,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
             # RL-PLUS: each prompt's demonstration, its advantage and π_old, before the update changes the policy
             rlp_step = None if rl_plus is None else rl_plus.step(batch, train_rollout, c.model)
+            # RLTF-SD: the retries (attempt k >= 2) of the scored episodes, to train after the prompt alone
+            sd_step = None if rltf_sd is None else rltf_sd.step(rollout)
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
             kd_step = None if kdrl is None else kdrl.step(step, batch, rollout, c.rewards, micro_tokens)
             # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term
@@ -234,7 +238,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 extra_loss=combine_extra_losses(
                     None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
                     None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active),
-                    None if rlp_step is None else rlp_step.extra_loss(rl_plus, dist.policy(c.model), dist.active)),
+                    None if rlp_step is None else rlp_step.extra_loss(rl_plus, dist.policy(c.model), dist.active),
+                    None if sd_step is None else sd_step.extra_loss(rltf_sd, dist.policy(c.model), dist.active)),
             )
         if gpu_budget is not None:
             gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
@@ -251,7 +256,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
                         **({} if rlp_step is None else rlp_step.metrics),
                         **({} if kd_step is None else kd_step.metrics),
-                        **({} if sr_step is None else sr_step.metrics)})
+                        **({} if sr_step is None else sr_step.metrics),
+                        **({} if sd_step is None else sd_step.metrics)})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)
@@ -265,6 +271,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             metrics.update(curation.sampler.stats)
         if cfg.task.mixture:  # task/<source>/... metrics; the curriculum's update for the next draw
             flags = correct_flags(per_source[acc_src.name]) if acc_src is not None else None
+            # AMPO: the samples' own right/wrong, before teacher rows replaced some (task.curriculum is refused)
+            flags = flags if ampo_step is None or flags is None else ampo_step.pre_correct
             metrics.update(mixture_step(sampler, dist, rows, adv.advantages, rollout.trained_mask, total, flags))
         metrics["lr"] = scheduler.get_last_lr()[0]
         ckpt.observe(step, metrics)  # counts and reports NaN/inf steps

@@ -224,13 +224,7 @@ def _initial_log_probs(model, buf: RehearsalBuffer, cfg: Config, dist=None) -> t
 
 def _rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
     """Sequences ``keep`` of ``batch`` (their groups keep their numbers)."""
-    r, sel = batch.rollout, torch.tensor(keep, dtype=torch.long)
-    rollout = dataclasses.replace(
-        r, prompt_ids=r.prompt_ids[sel], prompt_mask=r.prompt_mask[sel], response_ids=r.response_ids[sel],
-        response_mask=r.response_mask[sel], group_index=r.group_index[sel],
-        completions=[r.completions[i] for i in keep], truncated=r.truncated[sel],
-        sample_log_probs=None if r.sample_log_probs is None else r.sample_log_probs[sel],
-        loss_mask=None if r.loss_mask is None else r.loss_mask[sel])
+    rollout = batch.rollout.take(keep)  # every per-row field (attempt_correct, process_rewards, ...)
     return ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
                        {k: [v[i] for i in keep] for k, v in batch.per_source.items()})
 

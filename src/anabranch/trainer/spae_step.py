@@ -2,7 +2,7 @@
 
 Each step, after the estimator's advantages, :meth:`SPAE.step`
 
-1. decodes each response token by token and finds the step boundaries (``algorithm.spae_delimiter``), at
+1. decodes each response token by token (each distinct id of the batch once) and finds the step boundaries (``algorithm.spae_delimiter``), at
    most ``algorithm.spae_max_steps`` per response (evenly spaced, the last kept);
 2. builds one probe per (row, boundary k): context = prompt ‖ response[: end of step k] ‖ the probe suffix
    (``algorithm.spae_probe``), all as token ids (the response's own tokens, not re-tokenized), and target =
@@ -11,13 +11,18 @@ Each step, after the estimator's advantages, :meth:`SPAE.step`
    micro-batches of ``trainer.micro_batch_size`` rows or the update's token budget
    (advantage_pass.rollout_forward, the target read as a response; its full-vocabulary entropies come from
    the same pass), temperature 1; Acc and Conf of each probe from the target's log-probs and entropies;
-4. returns the advantages with SPAE's term (algorithms/spae.py) and ``spae/*`` metrics.
+4. returns the advantages with SPAE's term (algorithms/spae.py) and ``spae/*`` metrics; ``advantage/mean``
+   and ``advantage/std`` are recomputed on the changed advantages (what the update trains on), the
+   estimator's values kept as ``spae/base_mean`` and ``spae/base_std``.
 
 Rows without a gold answer (or whose answer tokenizes to nothing) and rows without a boundary get no
 term. Cost when on: Σ_rows (boundaries) extra no-grad sequences of prompt + response-prefix length; off,
 nothing is built (the loop holds None). Refused: FSDP / DeepSpeed ZeRO-3 (the probe pass runs the
 unsharded model outside the update; not tested here) and tasks whose training rows lack gold answers
-(here); tools and rollout.retry_turns >= 2 (:func:`check_spae_run`, before any model loads).
+(here); tools and rollout.retry_turns >= 2 (:func:`check_spae_run`, at config load by
+config_loading.validate, again in trainer/loop.py for a Config built in code); at config resolution
+(algorithms/resolve.py), the losses that read a reward back from the advantages (flowrl, fdpg, rover, brain:
+``advantage_is_reward``) and those that never read them (reasonmaxxer, pacs: ``ignores_advantages``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import dataclasses
 
 import torch
 
+from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.spae import (post_saturation, potential_deltas, select_steps, spae_advantages, spae_on,
                                        step_ends, step_potential, token_steps)
 from anabranch.config import Config, ConfigError
@@ -34,7 +40,8 @@ from anabranch.trainer.advantage_pass import rollout_forward
 
 
 def check_spae_run(cfg: Config) -> None:
-    """Whole-config combinations refused before any model loads (trainer/loop.py, first thing)."""
+    """Whole-config combinations refused at config load (config_loading.validate) and again before any model
+    loads (trainer/loop.py, first thing: a Config built in code skips validate)."""
     if not spae_on(cfg.algorithm):
         return
     if cfg.rollout.tools:
@@ -48,14 +55,15 @@ def check_spae_run(cfg: Config) -> None:
 
 
 def response_boundaries(rollout: Rollout, tokenizer, delimiter: str, max_steps: int) -> list[list[int]]:
-    """Per row, the inclusive end token of each probed step (response positions)."""
+    """Per row, the inclusive end token of each probed step (response positions). Each distinct token id of
+    the batch is decoded once, alone (one batch_decode over the batch's vocabulary, not B·T decodes), and
+    every row reads its pieces from that table: the same pieces, so the same boundaries, as decoding each
+    token of each row separately."""
     lengths = rollout.response_mask.sum(-1).tolist()
-    out = []
-    for i, n in enumerate(lengths):
-        ids = rollout.response_ids[i, :int(n)].tolist()
-        pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False) if ids else []
-        out.append(select_steps(step_ends(pieces, delimiter), max_steps))
-    return out
+    rows = [rollout.response_ids[i, :int(n)].tolist() for i, n in enumerate(lengths)]
+    vocab = sorted({t for ids in rows for t in ids})
+    text = dict(zip(vocab, tokenizer.batch_decode([[t] for t in vocab], skip_special_tokens=False))) if vocab else {}
+    return [select_steps(step_ends([text[t] for t in ids], delimiter), max_steps) for ids in rows]
 
 
 def probe_items(rollout: Rollout, boundaries: list[list[int]], answers: list, tokenizer,
@@ -167,8 +175,15 @@ class SPAE:
         steps = token_steps(st.ends, st.valid, mask.shape[1])
         delta = potential_deltas(st.phi, st.valid)
         post = post_saturation(st.phi, st.valid, a.spae_saturation)
+        base = {k: adv.metrics[k] for k in ("advantage/mean", "advantage/std") if k in adv.metrics}
         adv.advantages = spae_advantages(adv.advantages, mask, steps, delta, post, a.spae_coef,
                                          a.spae_saturation_penalty)
+        # advantage/mean and advantage/std describe what the update trains on, so they are recomputed after
+        # SPAE's term (same mask and formula as advantage_pass); the estimator's own values stay as spae/base_*.
+        adv.metrics.update({f"spae/base_{k.split('/')[1]}": v for k, v in base.items()})
+        mean = masked_mean(adv.advantages, mask).item()
+        adv.metrics["advantage/mean"] = mean
+        adv.metrics["advantage/std"] = masked_mean((adv.advantages - mean) ** 2, mask).item() ** 0.5
         n = st.valid.sum().clamp(min=1)
         post_tok = torch.gather(post.long(), 1, steps.clamp(min=0)) * (steps >= 0)
         adv.metrics.update({
