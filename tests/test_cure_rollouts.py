@@ -86,7 +86,7 @@ def uneven_rollout(vocab, seed=0):
 def test_entropy_pass_follows_the_token_budget_and_halves_it_on_oom(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from anabranch.trainer import microbatch
+    from anabranch.trainer import advantage_pass, microbatch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     roll = uneven_rollout(model.config.vocab_size)
@@ -101,6 +101,7 @@ def test_entropy_pass_follows_the_token_budget_and_halves_it_on_oom(tiny_model_d
         return real(model, mb, *a, **k)
 
     monkeypatch.setattr(microbatch, "forward_micro_batch", spy)
+    monkeypatch.setattr(advantage_pass, "forward_micro_batch", spy)  # the pass is rollout_forward's
     oom = [0]
     got = token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False, micro_batch_tokens=12)
     assert torch.allclose(got, ref, atol=1e-5)
@@ -114,6 +115,29 @@ def test_entropy_pass_follows_the_token_budget_and_halves_it_on_oom(tiny_model_d
     oom[0] = -1  # every micro-batch fails, even single rows: the error is raised, not looped on
     with pytest.raises(torch.cuda.OutOfMemoryError):
         token_entropies(model, roll, micro_batch_size=6, temperature=1.0, share_prefix=False)
+
+
+def test_entropy_pass_runs_in_eval_mode_and_restores_training_mode(tiny_model_dir, monkeypatch):
+    """CURE's pass reads the distribution the policy samples from (no dropout); rollout_forward's default
+    (every other no-grad pass) leaves the model's mode alone."""
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer import advantage_pass
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
+    roll = uneven_rollout(model.config.vocab_size)
+    modes, real = [], advantage_pass.forward_micro_batch
+
+    def spy(model, *a, **k):
+        modes.append(model.training)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(advantage_pass, "forward_micro_batch", spy)
+    token_entropies(model, roll, micro_batch_size=3, temperature=1.0, share_prefix=False)
+    assert modes == [False, False] and model.training  # eval during both micro-batches, training mode after
+    modes.clear()
+    advantage_pass.rollout_forward(model, roll, 3, 1.0)
+    assert modes == [True, True] and model.training
 
 
 def test_position_zero_ineligible_and_fallback():
@@ -318,6 +342,9 @@ def test_default_config_never_enters_cure(monkeypatch):
     (["rollout.extra_rollouts=cure", "rollout.n=0", "rollout.cure_originals=0"], "rollout.n"),
     (["rollout.extra_rollouts=cure", "rollout.n=4", "rollout.cure_originals=4", "rollout.cure_branches=0"],
      "rollout.cure_branches"),
+    # refused once, by rollout/retry_turns.py check_config (CURE's branches cannot start inside feedback turns)
+    (["rollout.extra_rollouts=cure", "rollout.n=16", "rollout.retry_turns=2"],
+     "rollout.retry_turns does not combine with rollout.extra_rollouts=cure"),
     (["rollout.cure_top_k=5"], "rollout.cure_top_k"),  # a CURE knob with CURE off
     (["rollout.cure_steps=10"], "rollout.cure_steps"),
 ])

@@ -156,6 +156,41 @@ def test_dynamic_sampling_rounds_share_one_redraw_budget():
     assert m["dynamic_sampling/rounds"] == 3.0
 
 
+SEEN_BY_COUNTER = []  # every completion the counting reward was asked to score
+
+
+if "greedy_test_counter" not in REWARDS:
+    @REWARDS.register("greedy_test_counter")
+    def greedy_test_counter(prompts, completions, answer, **_):
+        """Not a correctness reward (as a PRM, RLPR or a judge beside it): records what it scores."""
+        SEEN_BY_COUNTER.extend(completions)
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def test_greedy_pass_runs_only_the_correctness_reward_when_there_is_one():
+    c = components()
+    c.rewards = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="greedy_test_match"),
+                                                      RewardFunctionConfig(name="greedy_test_counter")],
+                                           isolation="none"))
+    SEEN_BY_COUNTER.clear()
+    batch = collect_batch(c, Script([0, 1, 2, 4]), cfg_with(), step=1)
+    assert batch.rollout.prompts == ["p1", "p4"]  # the verdict is the correctness reward's, as before
+    # the other source scored the training samples only, never the greedy answers ("a0", "wrong", ...)
+    assert SEEN_BY_COUNTER == ["s1", "s1", "s4", "s4"]
+    assert set(batch.per_source) == {"greedy_test_match", "greedy_test_counter"}
+
+
+def test_greedy_pass_scores_the_total_without_a_correctness_reward():
+    c = components()
+    c.rewards = build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="greedy_test_counter")],
+                                           isolation="none"))
+    SEEN_BY_COUNTER.clear()
+    batch = collect_batch(c, Script([0, 1, 2, 4]), cfg_with(), step=1)
+    # no source says right/wrong: the greedy answers are judged on the total, so this source scores them too
+    assert SEEN_BY_COUNTER == ["a0", "wrong", "a2", "wrong", "s1", "s1", "s4", "s4"]
+    assert batch.rollout.prompts == ["p1", "p4"]
+
+
 def test_greedy_time_is_logged_and_counted_as_generation(monkeypatch):
     real = greedy_filter.greedy_correct
     monkeypatch.setattr(greedy_filter, "greedy_correct", lambda *a, **k: (real(*a, **k)[0], 1.5))

@@ -107,6 +107,8 @@ def test_all_fail_groups_get_guided_samples_in_the_hint_free_context(tiny_model_
     # (the replaced batch's would be 6 / 10).
     assert list(batch.total) == [0.0] * 3 + [1.0] * 3 + [0.0] * 3 + [1.0] * 3
     assert out.metrics["guide/pre_accuracy"] == pytest.approx(6 / 12)
+    # Per trained row (num_samples=2 rows for a guided group): its prompt's own right/wrong, for the task mixture.
+    assert out.pre_correct == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     assert r.prompts == batch.rollout.prompts  # hint-free prompt texts
 
     def tokens(ids, mask):
@@ -204,6 +206,12 @@ def test_load_time_errors_name_the_key():
         bad = dataclasses.replace(cfg, **{key: dataclasses.replace(getattr(cfg, key), **value)})
         with pytest.raises(ConfigError, match=f"algorithm.guide.enabled cannot be used with {match}"):
             check_run(bad)
+    # A mixture's curriculum would read the hinted groups' |advantage| as their source's (set on a loaded
+    # config: TaskConfig refuses a curriculum without a mixture when it is built).
+    curriculum = load_config(None, ["algorithm.guide.enabled=true"])
+    curriculum.task.curriculum = "dump"
+    with pytest.raises(ConfigError, match="algorithm.guide.enabled cannot be used with task.curriculum='dump'"):
+        check_run(curriculum)
 
 
 def test_rows_without_the_hint_fields_or_a_placeable_question_are_refused():
@@ -257,3 +265,11 @@ def test_hinted_samples_do_not_teach_stateful_rewards(tiny_model_dir, write_json
     out = Guide.create(cfg, None, c).step(c, batch, step=1)
     assert out.metrics["guide/guided_groups_frac"] == 0.5  # the failed group was guided
     assert c.rewards[0].state.pending == []
+
+
+def test_own_flags_follow_the_trained_rows():
+    from anabranch.trainer.guide_step import own_flags
+
+    # Group 1 (all wrong) replaced by 3 hinted rows, groups 0 and 2 kept: each row gets its group's own flag.
+    got = own_flags([1.0, 0.0, 0.0, 0.0, 1.0, 0.0], torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([0, 0, 1, 1, 1, 2, 2]))
+    assert got == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]

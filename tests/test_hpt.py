@@ -93,6 +93,10 @@ def test_sft_nll_token_mean_and_micro_batch_sums():
     assert loss.item() == pytest.approx(3.5 / 3) and s == pytest.approx(3.5)
     part, _ = sft_nll(lp[1:], mask[1:], total_tokens=3)
     assert part.item() == pytest.approx(0.5 / 3)
+    # A per-sequence weight (RLTF-SD's w): −(3·(−1) + 3·(−2) − 1·(−0.5)) = 8.5 over N = 3 tokens (the tokens'
+    # count, not the weights' sum 5).
+    loss, s = sft_nll(lp, mask, weight=torch.tensor([3.0, -1.0]))
+    assert loss.item() == pytest.approx(8.5 / 3) and s == pytest.approx(8.5)
 
 
 # ---------------------------------------------------------------- the step on a toy model

@@ -168,6 +168,9 @@ def test_two_steps_of_training_with_retry_turns(tiny_model_dir, write_jsonl, tmp
         return [(ids[:3] + [eos], None) for ids, _ in orig(self, seqs, [3] * len(seqs), stop, greedy, seed)]
 
     monkeypatch.setattr(HFGenerateBackend, "continue_ids", short)
+    from anabranch.rollout import retry_turns
+    tables, real_table = [], retry_turns.answer_table
+    monkeypatch.setattr(retry_turns, "answer_table", lambda *a: tables.append(1) or real_table(*a))
     over = {"trainer.steps": 2, "trainer.eval_before": False, "trainer.eval_after": False, "rollout.n": 4,
             "rollout.max_new_tokens": 64, "rollout.prompts_per_step": 2, "rollout.retry_turns": 2,
             "reward.functions": json.dumps([{"name": "retry_turns"}, {"name": "math_verify", "weight": 0}])}
@@ -176,6 +179,7 @@ def test_two_steps_of_training_with_retry_turns(tiny_model_dir, write_jsonl, tmp
         assert 1.0 < m["retry/attempts_mean"] <= 2.0
         assert m["retry/success_at_1"] <= m["retry/success_at_2"] <= 1.0
         assert -0.25 <= m["reward/mean"] <= 1.0 and math.isfinite(m["loss"]) and m["skipped_updates"] == 0
+    assert len(tables) == 1  # the gold-answer table is built once per run (check_data), not again for the backend
 
 
 @pytest.mark.parametrize("key,value", [("guide.enabled", True), ("scaffold.enabled", True), ("srpo_coef", 0.1)])
@@ -191,6 +195,20 @@ def test_guide_scaffold_and_srpo_are_refused(tmp_path, key, value):
     setattr(target, last, value)
     with pytest.raises(ConfigError, match=rf"algorithm\.{key}"):
         check_config(cfg)
+
+
+def test_check_data_builds_the_answer_table_that_wraps_the_backend(tmp_path, monkeypatch):
+    from anabranch.rollout import retry_turns
+    cfg = _cfg(tmp_path)
+    monkeypatch.setattr(retry_turns, "feedback_ids", lambda *a: None)  # the template check is tested elsewhere
+    table = retry_turns.check_data(cfg, TOK, [{"answer": " 7"}], ["Q\n"])
+    assert table == {"Q\n": "7"}
+    monkeypatch.setattr(retry_turns, "answer_table", lambda *a: pytest.fail("the table was built twice"))
+    be = retry_turns.with_retry_turns(Scripted(["x"]), TOK, cfg, [{"answer": " 7"}], ["Q\n"], answers=table)
+    assert be.answers == table  # the table given (answer_table above fails the test if called)
+    import dataclasses
+    off = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=1))
+    assert retry_turns.check_data(off, TOK, [{"answer": ""}], ["Q\n"]) is None  # off: nothing checked or built
 
 
 def test_duplicate_prompt_texts_with_other_answers_are_refused(tmp_path):

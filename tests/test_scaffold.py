@@ -78,7 +78,8 @@ def test_only_all_fail_groups_are_hinted_with_omega_raised_per_stage(tiny_model_
     seen = []
     generate = c.backend.generate
     c.backend.generate = lambda prompts, n, **kw: (seen.append(list(prompts)), generate(prompts, n, **kw))[1]
-    out = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    res = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    out = res.batch
 
     def hinted(g, prefix):
         return hinted_prompt(batch.rollout.prompts[g], c.train_rows[idx[g]]["question"], f"Start: {prefix}")
@@ -100,6 +101,8 @@ def test_only_all_fail_groups_are_hinted_with_omega_raised_per_stage(tiny_model_
     assert out.metrics["scaffold/hinted_groups"] == pytest.approx(2 / 3)
     assert out.metrics["scaffold/hint_ratio"] == pytest.approx(0.625)
     assert out.metrics["scaffold/pre_accuracy"] == pytest.approx(3 / 9)
+    # The task mixture's accuracy reads each trained row's own-sample right/wrong, not group 1's hinted successes.
+    assert res.pre_correct == [1.0] * 3 + [0.0] * 6
 
     # The trained rows' context is the hinted prompt's tokens, and their old log-probs (the update's π_old
     # forward of the rollout) are log π(o_t | q̃, o_<t), checked against a manual forward.
@@ -128,11 +131,11 @@ def test_groups_with_a_success_are_untouched_and_off_by_default(tiny_model_dir, 
     cfg, c, kinds = components(tiny_model_dir, write_jsonl, tmp_path, **{"algorithm.scaffold.ratios": "[0.5]"})
     assert Scaffold.create(dataclasses.replace(cfg, algorithm=Config().algorithm), None, c) is None
     batch = generate_scored(c, kinds["free"][:2], cfg, step=1)
-    out = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    out = Scaffold.create(cfg, None, c).step(c, batch, step=1).batch
     assert out is batch and out.metrics["scaffold/hinted_groups"] == 0.0 and out.metrics["scaffold/hint_ratio"] == 0.0
     # One stage at ω = 0.5: a failed group is hinted once and kept even though it still fails.
     batch = generate_scored(c, [kinds["never"][0]], cfg, step=1)
-    out = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    out = Scaffold.create(cfg, None, c).step(c, batch, step=1).batch
     assert "Start: a b c d" in out.rollout.prompts[0] and out.metrics["scaffold/hint_ratio"] == 0.5
 
 
@@ -148,7 +151,7 @@ def test_hinted_groups_are_plain_samples_in_cure_stage_one(tiny_model_dir, write
     branched = []
     cont = c.backend.continue_ids
     c.backend.continue_ids = lambda seqs, *a, **kw: (branched.append(len(seqs)), cont(seqs, *a, **kw))[1]
-    out = Scaffold.create(cfg, None, c).step(c, batch, step=1)
+    out = Scaffold.create(cfg, None, c).step(c, batch, step=1).batch
     assert branched == []  # the hinted prompt was sampled plainly, not originals + critical-token branches
     r = out.rollout
     hinted = (r.group_index == 1).nonzero().flatten()
@@ -196,6 +199,12 @@ def test_inactive_knobs_and_whole_config_combinations_are_refused():
         bad = dataclasses.replace(cfg, **{key: dataclasses.replace(getattr(cfg, key), **value)})
         with pytest.raises(ConfigError, match=f"algorithm.scaffold.enabled cannot be used with {match}"):
             check_run(bad)
+    # A mixture's curriculum would read the hinted groups' |advantage| as their source's (set on a loaded
+    # config: TaskConfig refuses a curriculum without a mixture when it is built).
+    curriculum = load_config(None, ["algorithm.scaffold.enabled=true"])
+    curriculum.task.curriculum = "dump"
+    with pytest.raises(ConfigError, match="algorithm.scaffold.enabled cannot be used with task.curriculum='dump'"):
+        check_run(curriculum)
     with pytest.raises(ConfigError, match="algorithm.scaffold.enabled cannot be used with rollout.backend"):
         train(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm")))  # before any load
 
@@ -228,3 +237,27 @@ def test_two_step_run_logs_scaffold_metrics_with_finite_losses(tiny_model_dir, w
         assert m["accuracy"] == 1.0
     # Before the hints, only the "free" prompts were right: some step drew an "at4" prompt and hinted it.
     assert any(m["scaffold/hinted_groups"] > 0 and m["scaffold/pre_accuracy"] < 1.0 for m in res.history)
+
+
+def test_a_task_mixture_counts_the_policys_own_accuracy_not_the_hinted_one(tiny_model_dir, write_jsonl, tmp_path):
+    # "free" prompts are always right; "at4" prompts only once the hint shows KEY (stage 2), so their hinted
+    # groups are all right while the policy's own samples never are: task/at4/accuracy must stay 0.
+    free = write_jsonl([{"prompt": f"F{i}: count", "answer": "free", "solution": "p q r s"} for i in range(6)],
+                       "free.jsonl")
+    at4 = write_jsonl([{"prompt": f"K{i}: count", "answer": "at4", "solution": "a b c KEY e f g h"} for i in range(6)],
+                      "at4.jsonl")
+    res = train(load_config(None, tiny_overrides(tiny_model_dir, "unused", tmp_path, **{
+        "task.mixture": f"[{{name: file, path: {free}, label: free}}, {{name: file, path: {at4}, label: at4}}]",
+        "task.eval_size": 1, "trainer.eval_before": False, "trainer.eval_after": False, "trainer.save_final": False,
+        "trainer.steps": 2, "rollout.n": 3, "rollout.max_new_tokens": 3, "rollout.prompts_per_step": 4,
+        "trainer.micro_batch_size": 16, "reward.isolation": "none", "reward.functions": "[scaffold_test_reward]",
+        "algorithm.scaffold.enabled": True})))
+    seen = False
+    for m in res.history:
+        assert m["accuracy"] == 1.0  # the trained batch: every hinted group solved at ω = 0.5
+        if "task/at4/accuracy" in m:
+            seen = True
+            assert m["task/at4/accuracy"] == 0.0 and m["scaffold/hinted_groups"] > 0
+        if "task/free/accuracy" in m:
+            assert m["task/free/accuracy"] == 1.0
+    assert seen  # some step drew an at4 prompt

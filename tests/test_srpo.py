@@ -262,12 +262,12 @@ def test_refused_combinations_name_the_keys():
         resolve_algorithm(load_config(None, ["algorithm.name=grpo", *extra]).algorithm)  # SRPO off: accepted
     # Hint scaffolding trains its groups in their hinted prompts, which the teacher context starts with.
     resolve_algorithm(load_config(None, ["algorithm.name=srpo", "algorithm.scaffold.enabled=true"]).algorithm)
-    from anabranch.algorithms.srpo import check_srpo_run
+    # SRPO with retry turns: refused once, at config load (rollout/retry_turns.py check_config).
+    from anabranch.rollout.retry_turns import check_config as check_retry_turns
 
+    with pytest.raises(ConfigError, match="rollout.retry_turns does not combine with algorithm.srpo_coef > 0"):
+        load_config(None, ["algorithm.name=srpo", "rollout.retry_turns=2"])
     cfg = load_config(None, ["algorithm.name=srpo"])
-    retry = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=2))
-    with pytest.raises(ConfigError, match="srpo_coef > 0 with rollout.retry_turns=2"):
-        check_srpo_run(retry)
-    check_srpo_run(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=1)))
+    check_retry_turns(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=1)))
     off = load_config(None, [])
-    check_srpo_run(dataclasses.replace(off, rollout=dataclasses.replace(off.rollout, retry_turns=2)))
+    check_retry_turns(dataclasses.replace(off, rollout=dataclasses.replace(off.rollout, retry_turns=2)))

@@ -53,5 +53,5 @@ def test_train_refuses_retry_turns_before_loading_a_model(tmp_path):
 
     cfg = load_config(None, ["algorithm.name=srpo", f"model.path={tmp_path / 'missing'}"])
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=3))
-    with pytest.raises(ConfigError, match="srpo_coef > 0 with rollout.retry_turns=3"):
+    with pytest.raises(ConfigError, match="rollout.retry_turns does not combine with algorithm.srpo_coef > 0"):
         train(cfg)

@@ -108,7 +108,12 @@ def test_select_groups_and_concat_batches_carry_the_grades():
     assert sel.rollout.attempt_correct.tolist() == [[0, 0], [1, -1]]
     both = concat_batches([sel, _batch([[1, -1]], [0], 5)])
     assert both.rollout.attempt_correct.tolist() == [[0, 0], [1, -1], [1, -1]]
-    assert concat_batches([sel, _batch(None, [0], 5)]).rollout.attempt_correct is None
+    # a round without grades beside one with them is an error (as PRM step rewards), not a silent None
+    with pytest.raises(ValueError, match="attempt_correct"):
+        concat_batches([sel, _batch(None, [0], 5)])
+    with pytest.raises(ValueError, match="attempt_correct"):
+        concat_batches([_batch(None, [0], 5), sel])
+    assert concat_batches([_batch(None, [0], 5), _batch(None, [0], 2)]).rollout.attempt_correct is None
     assert select_groups(_batch(None, [0, 0], 2), [0]).rollout.attempt_correct is None
 
 

@@ -145,7 +145,8 @@ def check_run(cfg) -> None:
 
 def refuse_hint_resampling(cfg, key: str, name: str) -> None:
     """The whole-config combinations refused to every method that re-samples failed prompts with a hint
-    mid-step (Guide, GHPO scaffolding: ``name``), raised as a ConfigError naming ``key`` (its switch)."""
+    mid-step (Guide, GHPO scaffolding: ``name``), raised as a ConfigError naming ``key`` (its switch): another
+    backend, tools, prompt pairing, a task mixture's curriculum."""
     from anabranch.config import ConfigError
 
     why = None
@@ -161,5 +162,11 @@ def refuse_hint_resampling(cfg, key: str, name: str) -> None:
     elif cfg.task.pairing:
         why = ("task.pairing: prompt pairing trains fixed (q+, q−) groups whose roles assume their own samples; "
                "set task.pairing=false")
+    elif cfg.task.curriculum != "none":
+        # The hinted groups' successes and advantages are not the policy's own on the source's prompts (AMPO
+        # refuses it for its teacher rows, algorithms/ampo.py).
+        why = (f"task.curriculum={cfg.task.curriculum!r}: the curriculum reads each source's mean |advantage|, "
+               "which the hinted samples make non-zero on exactly the prompts the policy fails; set "
+               "task.curriculum=none")
     if why is not None:
         raise ConfigError(f"{key} cannot be used with {why}, or set {key}=false")

@@ -53,15 +53,20 @@ def mix_coefficients(p: float, gamma: float) -> tuple[float, float]:
     return (1.0, 0.0) if p > gamma else (0.0, 1.0)
 
 
-def sft_nll(log_prob: torch.Tensor, mask: torch.Tensor, total_tokens: float | None = None) -> tuple[torch.Tensor, float]:
-    """(Σ_t −mask·log π / total_tokens, Σ_t −mask·log π): the token-mean NLL of demonstrations.
+def sft_nll(log_prob: torch.Tensor, mask: torch.Tensor, total_tokens: float | None = None,
+            weight: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """(Σ_t −w·mask·log π / total_tokens, Σ_t −w·mask·log π): the token-mean NLL of demonstrations.
 
     ``total_tokens``: the demonstration token count of the whole SFT batch when this call sees one
     micro-batch of it (the sum over micro-batches is then the batch's token mean); None: this call's
-    own count. The second value (a plain number, without gradient) lets micro-batches add up."""
+    own count. ``weight``: [B] one weight per demonstration (RLTF-SD's w_{i,k}, algorithms/rltf_sd.py);
+    None: 1 for every one (HPT's plain SFT). The second value (a plain number, without gradient) lets
+    micro-batches add up."""
     mask = mask.to(log_prob.dtype)
-    nll = -(log_prob * mask).sum()
+    # N counts the tokens, not the weights (a negative weight pushes its tokens down, it does not shrink N)
     n = mask.sum().clamp(min=1.0).item() if total_tokens is None else max(float(total_tokens), 1.0)
+    w = mask if weight is None else mask * weight.to(log_prob.dtype)[:, None]
+    nll = -(log_prob * w).sum()
     return nll / n, float(nll.detach())
 
 

@@ -99,10 +99,11 @@ def distill_spans(loss_mask: torch.Tensor, attempt_correct: torch.Tensor, group_
 def weighted_nll(log_prob: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor,
                  total_tokens: float) -> tuple[torch.Tensor, float]:
     """(Σ −w_i·mask·log π / N, Σ −w_i·mask·log π): ``weight`` [B] per demonstration, N = ``total_tokens``
-    (the whole batch's distilled tokens, so that micro-batches add up to the token mean)."""
-    mask = mask.to(log_prob.dtype)
-    s = -(log_prob * mask * weight.to(log_prob.dtype)[:, None]).sum()
-    return s / max(float(total_tokens), 1.0), float(s.detach())
+    (the whole batch's distilled tokens, so that micro-batches add up to the token mean). HPT's SFT NLL
+    with a per-sequence weight (algorithms/hpt.py ``sft_nll``), the one implementation of both terms."""
+    from anabranch.algorithms.hpt import sft_nll
+
+    return sft_nll(log_prob, mask, total_tokens, weight=weight)
 
 
 def check_rltf_sd(cfg) -> str | None:

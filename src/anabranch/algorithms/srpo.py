@@ -100,19 +100,6 @@ def check_srpo(cfg) -> str | None:
     return None
 
 
-def check_srpo_run(cfg) -> None:
-    """Combinations of the whole config refused before any model loads (trainer/loop.py, first thing)."""
-    from anabranch.config import ConfigError
-
-    if srpo_on(cfg.algorithm) and cfg.rollout.retry_turns >= 2:
-        # A correct sibling's response is its whole episode: failed attempts, the "try again" turns and the
-        # final answer; as feedback it would show the teacher those failed attempts as "a correct solution".
-        raise ConfigError(f"algorithm.srpo_coef > 0 with rollout.retry_turns={cfg.rollout.retry_turns}: a correct "
-                          "sibling's response is its whole multi-attempt episode (failed attempts and feedback "
-                          "turns included), which is not a correct solution to show the self-teacher; set "
-                          "rollout.retry_turns=0 or algorithm.srpo_coef=0")
-
-
 def entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """[B, R] ω: exp(−H_T) over the masked tokens normalized to mean 1 (softmax), or the mask (none).
 

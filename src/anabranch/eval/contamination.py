@@ -124,8 +124,10 @@ def backend_audit(backend, tokenizer, rows: list[dict], ratios, source, max_new_
         return out
 
     def judge(prompts, completions, judged_rows):
+        from anabranch.eval.accuracy import correct_flags
+
         _, per_source = score([source], prompts, completions, judged_rows)
-        return [v >= threshold for v in per_source[source.name]]
+        return [bool(v) for v in correct_flags(per_source[source.name], threshold)]
 
     return audit(generate, judge, rows, ratios, prefix=bos_prefix(tokenizer))
 

@@ -32,6 +32,8 @@ import html
 import json
 from pathlib import Path
 
+from anabranch.eval.accuracy import correct_flags
+
 DEFAULT_MASTER_KEYS = (" ", ".", ",", ":", "Thought process:", "Let's solve this problem step by step.",
                        "Solution", "解", "かいせつ", "Respuesta")
 # Fields the probe can give a reward besides the task's row fields: each problem's keys form one group.
@@ -94,8 +96,8 @@ def probe(sources, rows: list[dict], keys, threshold: float = 1.0) -> dict:
         per_key = {}
         for j, k in enumerate(keys):
             vs = values[j * m:(j + 1) * m]
-            per_key[k] = {"false_positive_rate": sum(v >= threshold for v in vs) / m, "mean_reward": sum(vs) / m}
-        result["rewards"][name] = {"false_positive_rate": sum(v >= threshold for v in values) / len(values),
+            per_key[k] = {"false_positive_rate": sum(correct_flags(vs, threshold)) / m, "mean_reward": sum(vs) / m}
+        result["rewards"][name] = {"false_positive_rate": sum(correct_flags(values, threshold)) / len(values),
                                    "mean_reward": sum(values) / len(values), "per_key": per_key}
     result["total_mean"] = {k: sum(out.total[j * m:(j + 1) * m]) / m for j, k in enumerate(keys)}
     result["metrics"] = out.metrics  # e.g. reward/judge/trivial_rejected, unparseable, failures

@@ -256,18 +256,23 @@ def answer_table(cfg, rows: list, prompts: list[str]) -> dict[str, str]:
     return answers
 
 
-def check_data(cfg, tokenizer, rows: list, prompts: list[str]) -> None:
+def check_data(cfg, tokenizer, rows: list, prompts: list[str]) -> dict[str, str] | None:
     """Before the model loads: gold answers (:func:`answer_table`) and a chat template that keeps the
-    assistant's message (:func:`feedback_ids`). Nothing when ``rollout.retry_turns`` is 0 or 1."""
-    if cfg.rollout.retry_turns >= 2:
-        answer_table(cfg, rows, prompts)
-        feedback_ids(tokenizer, cfg.task.chat_template)
+    assistant's message (:func:`feedback_ids`). Returns the answer table, for :func:`with_retry_turns`
+    (built once per run); None when ``rollout.retry_turns`` is 0 or 1 (nothing checked)."""
+    if cfg.rollout.retry_turns < 2:
+        return None
+    answers = answer_table(cfg, rows, prompts)
+    feedback_ids(tokenizer, cfg.task.chat_template)
+    return answers
 
 
-def with_retry_turns(backend, tokenizer, cfg, rows: list, prompts: list[str]):
+def with_retry_turns(backend, tokenizer, cfg, rows: list, prompts: list[str], answers: dict[str, str] | None = None):
     """``backend`` wrapped for ``rollout.retry_turns`` (unchanged when it is 0 or 1). ``rows`` and
-    ``prompts``: the training rows and their prompts, whose gold answers grade the attempts."""
+    ``prompts``: the training rows and their prompts, whose gold answers grade the attempts; ``answers``:
+    their table when :func:`check_data` already built it (else it is built here)."""
     if cfg.rollout.retry_turns < 2:
         return backend
-    return RetryTurnsBackend(backend, tokenizer, cfg.rollout, answer_table(cfg, rows, prompts),
+    return RetryTurnsBackend(backend, tokenizer, cfg.rollout,
+                             answer_table(cfg, rows, prompts) if answers is None else answers,
                              use_template=cfg.task.chat_template)

@@ -36,21 +36,66 @@ class AdvantageBatch:
 @torch.no_grad()
 def rollout_forward(model, rollout: Rollout, micro: int, temperature: float, modules: dict | None = None,
                     values: bool = False, share_prefix: bool = False, micro_batch_tokens: int = 0,
-                    ucas_stats: dict | None = None, entropy_out: dict | None = None):
+                    ucas_stats: dict | None = None, entropy_out: dict | None = None,
+                    eval_mode: bool = False, oom_retry: bool = False):
     """log π(response) and, when asked, the value head's V for every response token.
 
     Micro-batches of ``micro`` rows, or packed by ``micro_batch_tokens`` when > 0 (as the update's);
     with ``share_prefix`` (and a model that supports it) each group's prompt runs once. A dict
     ``ucas_stats`` receives UCAS's per-token self-certainty and raw sampled-token logit [B, R]
     (algorithms/ucas.py), from the same pass's hidden states. A dict ``entropy_out`` receives ``entropy``
-    [B, R], the full-vocabulary entropy at each response position (SRPO's teacher, trainer/srpo_step.py);
-    without it nothing more is computed."""
+    [B, R], the full-vocabulary entropy at each response position (SRPO's teacher, trainer/srpo_step.py,
+    CURE's critical tokens, trainer/cure_rollouts.py); without it nothing more is computed.
+    ``eval_mode``: the pass runs with the model in eval mode (no dropout: the distribution it samples
+    from), its training mode restored after (CURE's entropies; SPAE's probe may use it too).
+    ``oom_retry``: on a CUDA out-of-memory error the whole pass runs again in micro-batches of half the
+    largest one's computed tokens (as the update's ``oom_retry``), until none can be made smaller; then
+    the error is raised. Both off by default: one plan, one pass, the model's mode untouched."""
     share = share_prefix and supports_shared_prefix(model)
+    groups = rollout.group_index if share else None
+
+    def plan(budget: int):
+        return plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro, budget,
+                                  group_index=groups, share_prefix=share)
+
+    def run(mbs):
+        return _forward_passes(model, rollout, mbs, temperature, modules, values, share, ucas_stats, entropy_out)
+
+    was_training = eval_mode and model.training
+    if eval_mode:
+        model.eval()
+    try:
+        return _retry_smaller(run, plan, plan(micro_batch_tokens), rollout.group_index, share) if oom_retry \
+            else run(plan(micro_batch_tokens))
+    finally:
+        if eval_mode:
+            model.train(was_training)
+
+
+def _retry_smaller(run, plan, mbs, group_index: torch.Tensor, share: bool):
+    """``run(mbs)``, re-planned at half the largest micro-batch's computed tokens after each CUDA OOM."""
+    def largest(plan_) -> int:
+        return max(mb.computed_tokens(group_index, share) for mb in plan_)
+
+    while True:
+        try:
+            return run(mbs)
+        except torch.cuda.OutOfMemoryError:
+            smaller = plan(max(largest(mbs) // 2, 1))
+            if largest(smaller) >= largest(mbs):  # single rows (or whole shared groups): nothing to split
+                raise
+        # Outside the except block the failed attempt's tensors are released: free them, then retry.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        mbs = smaller
+
+
+def _forward_passes(model, rollout: Rollout, plan, temperature: float, modules, values: bool, share: bool,
+                    ucas_stats: dict | None, entropy_out: dict | None):
+    """:func:`rollout_forward`'s micro-batches of ``plan``; the dicts are filled only once all have run."""
     device = next(model.parameters()).device
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     width = rollout.response_ids.shape[1]
-    plan = plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro, micro_batch_tokens,
-                              group_index=rollout.group_index if share else None, share_prefix=share)
     lps = torch.zeros(ids.shape[0], width)
     vals = torch.zeros(ids.shape[0], width) if values else None
     want_stats = ucas_stats is not None
@@ -142,10 +187,15 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
     if ppl_position_on(cfg):  # Deng et al. 2025's PPL / position shaping (algorithms/ppl_position.py)
         advantages, m = ppl_position_shaping(cfg, advantages, mask, pre.get("old_log_prob"), rollout.group_index)
         metrics.update(m)
-    metrics["advantage/mean"] = masked_mean(advantages, mask).item()
-    var = masked_mean((advantages - metrics["advantage/mean"]) ** 2, mask).item()
-    metrics["advantage/std"] = var ** 0.5
+    metrics.update(advantage_stats(advantages, mask))
     return AdvantageBatch(advantages, pre, metrics, kl_coef=beta)
+
+
+def advantage_stats(advantages: torch.Tensor, mask: torch.Tensor) -> dict:
+    """``advantage/mean`` and ``advantage/std`` (population std) over the masked tokens: what the update
+    trains on (SPAE recomputes them after its term, trainer/spae_step.py)."""
+    mean = masked_mean(advantages, mask).item()
+    return {"advantage/mean": mean, "advantage/std": masked_mean((advantages - mean) ** 2, mask).item() ** 0.5}
 
 
 def _confidence_shaping(cfg, model, rollout, rewards, advantages, mask, pre, stats, metrics, micro, temperature,

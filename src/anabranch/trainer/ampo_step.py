@@ -26,15 +26,12 @@ import dataclasses
 import torch
 
 from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, run_problem, select_top
-from anabranch.algorithms.overlong import overlong_penalty
 from anabranch.algorithms.guide import all_fail_groups
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
-from anabranch.rewards import score_detailed
 from anabranch.rewards.compose import discard_reward_observations
-from anabranch.rewards.token_stats import trainer_fields
 from anabranch.rollout.base import Rollout
-from anabranch.trainer.collect import ScoredBatch, concat_batches, select_groups
+from anabranch.trainer.collect import ScoredBatch, concat_batches, score_rollout, select_groups
 
 
 @dataclasses.dataclass
@@ -144,22 +141,12 @@ class AMPO:
             return None
         r = candidate_rollout(c.tokenizer, batch.rollout.prompt_ids[first], batch.rollout.prompt_mask[first], prompt,
                               texts, self.cfg.rollout.max_new_tokens, self.stop)
-        extra = trainer_fields(c.rewards, c.model, r, self.cfg.trainer.micro_batch_size)
-        if any(src.meta.get("needs_policy_forward") for src in c.rewards):  # RLPR's probability reward, as the samples'
-            from anabranch.rewards.rlpr import rlpr_fields
-
-            extra.update(rlpr_fields(c.rewards, c.model, c.tokenizer, r, [row] * len(texts),
-                                     self.cfg.trainer.micro_batch_size))
-        scored = score_detailed(c.rewards, [prompt] * len(texts), texts, [row] * len(texts),
-                                group_index=[g] * len(texts), extra_fields=extra)
+        # Scored as the samples are (collect.score_rollout: reward fields, RLPR's forward, DAPO's overlong penalty);
+        # the rewards see the group's own id, and no train_step (teacher texts are not training visits).
+        scored = score_rollout(c, r, [row] * len(texts), self.cfg, reward_groups=[g] * len(texts))
+        # The batch's reward columns (concat_batches keeps the first part's keys), 0 for a source not given.
         per_source = {k: list(scored.per_source.get(k, [0.0] * len(texts))) for k in batch.per_source}
-        total = list(scored.total)
-        a = self.cfg.algorithm
-        if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, as generate_scored gives the samples
-            pen = overlong_penalty(r.response_lengths, self.cfg.rollout.max_new_tokens, a.overlong_buffer,
-                                   a.overlong_penalty).tolist()
-            total, per_source["overlong"] = [t + p for t, p in zip(total, pen)], pen
-        cand = ScoredBatch(r, [row] * len(texts), total, per_source)
+        cand = ScoredBatch(r, [row] * len(texts), scored.total, per_source)
         ok = batch_correct(cand, c.rewards)
         keep = [i for i, v in enumerate(ok) if v == 1.0]
         return take_rows(cand, keep) if keep else None

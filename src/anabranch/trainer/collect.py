@@ -44,10 +44,13 @@ class ScoredBatch:
 
 
 def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int = 1,
-                    n: int | None = None) -> ScoredBatch:
-    """``step``/``round_``: the training step and dynamic-sampling round, passed to reward functions
+                    n: int | None = None, sources: list | None = None) -> ScoredBatch:
+    """The rollouts of prompts ``idx``, scored by :func:`score_rollout`.
+
+    ``step``/``round_``: the training step and dynamic-sampling round, passed to reward functions
     as the ``train_step``/``sample_round`` fields (the random reward keys its draws on them).
-    ``n``: samples per prompt (default ``rollout.n``; DARS's extra samples use 1 per repeated prompt)."""
+    ``n``: samples per prompt (default ``rollout.n``; DARS's extra samples use 1 per repeated prompt).
+    ``sources``: score with these reward sources only (default all of ``c.rewards``)."""
     t0 = time.perf_counter()
     if n is None and cfg.rollout.extra_rollouts == "cure":  # CURE's stage 1: originals + critical-token branches
         from anabranch.trainer.cure_rollouts import cure_or_plain
@@ -56,25 +59,43 @@ def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int
     else:
         rollout = c.backend.generate([c.train_prompts[i] for i in idx], cfg.rollout.n if n is None else n)
     t_gen = time.perf_counter() - t0
+    rows = [c.train_rows[idx[g]] for g in rollout.group_index.tolist()]
+    batch = score_rollout(c, rollout, rows, cfg, step, round_, sources=sources)
+    batch.t_generate = t_gen
+    return batch
+
+
+def score_rollout(c, rollout: Rollout, rows: list, cfg, step: int | None = None, round_: int = 1,
+                  sources: list | None = None, reward_groups: list[int] | None = None) -> ScoredBatch:
+    """``rollout`` scored as a training sample is: the trainer's reward fields (token counts and statistics,
+    RLPR's policy forward, a PRM's step scores: each only when a source asks for it), the rewards, PRM
+    step rewards put on the rollout (``reward.prm_shaping``), then DAPO's overlong penalty. Every caller that
+    scores responses the policy trains on (training rounds, AMPO's teacher rows, the greedy filter) comes
+    here, so a field added for a reward reaches all of them.
+
+    ``rows``: [B] each sequence's dataset row; ``step``/``round_``: as :func:`generate_scored`'s.
+    ``sources``: a subset of ``c.rewards`` to score with (the greedy filter's correctness reward alone), so
+    that the other sources' fields (a PRM or policy forward) are not computed either; default all.
+    ``reward_groups``: the ``group_index`` field the rewards see (default the rollout's)."""
+    sources = c.rewards if sources is None else sources
     groups = rollout.group_index.tolist()
-    rows = [c.train_rows[idx[g]] for g in groups]
-    extra = trainer_fields(c.rewards, c.model, rollout, cfg.trainer.micro_batch_size)
+    extra = trainer_fields(sources, c.model, rollout, cfg.trainer.micro_batch_size)
     if step is not None:
         extra.update(train_step=[step] * len(groups), sample_round=[round_] * len(groups))
     # RLPR: the policy's probability of each row's reference answer (one no-grad forward, only when configured)
-    if any(s.meta.get("needs_policy_forward") for s in c.rewards):
-        extra.update(rlpr_fields(c.rewards, c.model, c.tokenizer, rollout, rows, cfg.trainer.micro_batch_size))
-    if any(s.meta.get("process_reward") for s in c.rewards):  # a PRM's step scores (only when configured)
+    if any(s.meta.get("needs_policy_forward") for s in sources):
+        extra.update(rlpr_fields(sources, c.model, c.tokenizer, rollout, rows, cfg.trainer.micro_batch_size))
+    if any(s.meta.get("process_reward") for s in sources):  # a PRM's step scores (only when configured)
         from anabranch.rewards.prm import prm_fields
 
-        extra.update(prm_fields(c.rewards, c.tokenizer, rollout, rows))
-    scored = score_detailed(c.rewards, [rollout.prompts[g] for g in groups], rollout.completions, rows,
-                            group_index=groups, extra_fields=extra)
+        extra.update(prm_fields(sources, c.tokenizer, rollout, rows))
+    scored = score_detailed(sources, [rollout.prompts[g] for g in groups], rollout.completions, rows,
+                            group_index=groups if reward_groups is None else reward_groups, extra_fields=extra)
     total, per_source = scored.total, scored.per_source
     if "prm_step_scores" in extra:  # PRM-Clip/Delta: step rewards on the step-end tokens (algorithms/prm_shaping.py)
         from anabranch.algorithms.prm_shaping import attach
 
-        scored.metrics.update(attach(c.rewards, cfg.reward, rollout, extra))
+        scored.metrics.update(attach(sources, cfg.reward, rollout, extra))
     a = cfg.algorithm
     if a.overlong_buffer > 0:
         pen = overlong_penalty(rollout.response_lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
@@ -82,7 +103,7 @@ def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int
         total = [t + p for t, p in zip(total, pen.tolist())]
         per_source = {**per_source, "overlong": pen.tolist()}
     # scored.metrics: reward/<name>/failures and each source's own metrics; the rollout's: tool use
-    return ScoredBatch(rollout, rows, list(total), dict(per_source), t_gen,
+    return ScoredBatch(rollout, rows, list(total), dict(per_source),
                        metrics={**rollout.metrics, **scored.metrics})
 
 
@@ -241,9 +262,14 @@ def _pad(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
 
 def _attempts(parts: list) -> torch.Tensor | None:
     """The rounds' per-attempt outcomes (``Rollout.attempt_correct``) stacked, padded with -1 (no attempt);
-    None unless every round has them."""
-    if any(p is None for p in parts):
+    None when no round has them. A mix is an error (as :func:`_process_rewards`): the rows without them would
+    lose the outcomes that retry-turn rewards and metrics read, silently, for the whole batch."""
+    have = [p is not None for p in parts]
+    if not any(have):
         return None
+    if not all(have):
+        raise ValueError("concat_batches: some rounds carry per-attempt outcomes (Rollout.attempt_correct) and "
+                         "others not; rows added to a batch under rollout.retry_turns must come from its backend too")
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.cat([p, torch.full((p.shape[0], width - p.shape[1]), -1, dtype=p.dtype)], dim=1)
                       for p in parts])

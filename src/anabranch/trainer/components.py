@@ -99,7 +99,8 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if cfg.task.mixture:  # each source's own instruction and system prompt (data/mixture.py)
         train_prompts = source_prompts(cfg, train_rows, train_prompts, tokenizer)
         eval_prompts = source_prompts(cfg, eval_rows, eval_prompts, tokenizer)
-    check_retry_data(cfg, tokenizer, train_rows, train_prompts)  # rollout.retry_turns: gold answers, before the model
+    # rollout.retry_turns: gold answers, before the model (the table, kept for with_retry_turns below)
+    retry_answers = check_retry_data(cfg, tokenizer, train_rows, train_prompts)
     longest_prompt = check_prompt_lengths(train_prompts + eval_prompts, tokenizer, cfg)
 
     model = apply_lora(load_model(cfg.model, device, trainable=True), cfg.model.lora, cfg.model.gradient_checkpointing)
@@ -117,7 +118,8 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
     if hasattr(backend, "share_prompt_prefix"):  # generate: one prefill per prompt for its n samples
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
     backend = with_tools(backend, tokenizer, cfg.rollout)  # multi-turn rollouts when rollout.tools is set
-    backend = with_retry_turns(backend, tokenizer, cfg, train_rows, train_prompts)  # rollout.retry_turns (UFO)
+    backend = with_retry_turns(backend, tokenizer, cfg, train_rows, train_prompts,  # rollout.retry_turns (UFO)
+                               answers=retry_answers)  # the table check_data built, not built again
     warn_per_micro_batch_selection(cfg, algo, model, device, longest_prompt)
     warn_unused_tis(cfg)
     modules = {name: factory(model.config, algo.cfg).to(device) for name, factory in algo.module_factories.items()}

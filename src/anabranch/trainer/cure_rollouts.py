@@ -78,56 +78,23 @@ def critical_positions(scores: torch.Tensor, eligible: torch.Tensor, top_k: int,
     return pos, found
 
 
-@torch.no_grad()
 def token_entropies(model, rollout: Rollout, micro_batch_size: int, temperature: float,
                     share_prefix: bool = True, micro_batch_tokens: int = 0) -> torch.Tensor:
     """[B, R] H(π(· | prompt, response_{<t})) at each response position, 0 past the response: one
     no-grad forward of the policy in eval mode (as it samples).
 
-    Planned as the no-grad passes before the update (advantage_pass.rollout_forward): micro-batches of
-    ``micro_batch_size`` rows, or packed by ``micro_batch_tokens`` when > 0, each group's prompt once with
+    The no-grad pass before the update (advantage_pass.rollout_forward with ``entropy_out``): micro-batches
+    of ``micro_batch_size`` rows, or packed by ``micro_batch_tokens`` when > 0, each group's prompt once with
     ``share_prefix``; the head's entropy is taken a few rows at a time (models/chunked_logprobs.py), so
     no micro-batch holds its full-vocabulary logits at once. On a CUDA out-of-memory error the pass runs
-    again in micro-batches of half the largest one's computed tokens (as the update's ``oom_retry``),
-    until no micro-batch can be made smaller."""
-    from anabranch.models.shared_prefix import supports_shared_prefix
-    from anabranch.trainer.microbatch import forward_micro_batch, plan_micro_batches
+    again in smaller micro-batches (its ``oom_retry``), until no micro-batch can be made smaller."""
+    from anabranch.trainer.advantage_pass import rollout_forward
 
-    share = share_prefix and supports_shared_prefix(model)
-    device = next(model.parameters()).device
-    temp = temperature if temperature > 0 else 1.0
-    ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
-    groups = rollout.group_index if share else None
-
-    def plan(budget: int):
-        return plan_micro_batches(rollout.prompt_mask, rollout.response_mask, micro_batch_size, budget,
-                                  group_index=groups, share_prefix=share)
-
-    def largest(mbs) -> int:
-        return max(mb.computed_tokens(rollout.group_index, share) for mb in mbs)
-
-    mbs = plan(micro_batch_tokens)
-    was_training = model.training
-    model.eval()
-    try:
-        while True:
-            try:
-                out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
-                for mb in mbs:
-                    fo = forward_micro_batch(model, mb, ids, mask, temp, entropy=True, share_prefix=share)
-                    out[mb.rows] = fo.entropy.float().cpu()
-                break
-            except torch.cuda.OutOfMemoryError:
-                smaller = plan(max(largest(mbs) // 2, 1))
-                if largest(smaller) >= largest(mbs):  # single rows (or whole shared groups): nothing to split
-                    raise
-            # Outside the except block the failed attempt's tensors are released: free them, then retry.
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            mbs = smaller
-    finally:
-        model.train(was_training)
-    return out * rollout.response_mask
+    out: dict = {}
+    rollout_forward(model, rollout, micro_batch_size, temperature if temperature > 0 else 1.0,
+                    share_prefix=share_prefix, micro_batch_tokens=micro_batch_tokens, entropy_out=out,
+                    eval_mode=True, oom_retry=True)
+    return out["entropy"] * rollout.response_mask
 
 
 def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
@@ -269,8 +236,7 @@ def check_config(cfg) -> None:
          "untrained prefix, the layout TIS and the mismatch metrics read) are not verified"),
         (not r.tools, "rollout.tools", "must be empty with rollout.extra_rollouts=cure: a multi-turn response "
          "holds tool outputs, which are not the policy's tokens and cannot be a branch's prefix"),
-        (getattr(r, "retry_turns", 0) <= 1, "rollout.retry_turns", "must be 0 or 1 with rollout.extra_rollouts=cure: "
-         "a retried response holds feedback turns that are not the policy's tokens and cannot be a branch's prefix"),
+        # rollout.retry_turns >= 2 is refused once, by rollout/retry_turns.py check_config (it runs first at load)
         (r.min_new_tokens == 0, "rollout.min_new_tokens", "must be 0 with rollout.extra_rollouts=cure: the branch "
          "sampler has no per-row minimum length"),
     ]

@@ -7,7 +7,8 @@ trainer/curation.py). For every generation round's drawn prompts Q:
 
     greedy   y*(q) = argmax decode of π_θ(· | q)          one greedy completion per prompt, current weights
     score    r*(q) = the run's rewards on y*(q)           correct(q) = full credit on the reward that says
-                                                          right/wrong, else on the total (``batch_correct``)
+                                                          right/wrong, else on the total (``batch_correct``);
+                                                          only that reward is run when there is one
     keep     Q' = {q ∈ Q : not correct(q)}                only Q' is sampled (rollout.n each) and trained on
 
 What the released code does, and what is taken from it (read, not copied): its greedy pass is the
@@ -42,7 +43,7 @@ Metrics per step: ``curation/greedy_wrong_frac`` (wrong greedy answers / prompts
 
 from __future__ import annotations
 
-from anabranch.eval.accuracy import batch_correct
+from anabranch.eval.accuracy import batch_correct, correctness_source
 from anabranch.rewards.compose import discard_reward_observations
 
 
@@ -68,11 +69,14 @@ class _GreedyComponents:
 
 def greedy_correct(c, idx: list[int], cfg, step: int | None = None) -> tuple[list[float], float]:
     """(1.0 / 0.0 per prompt of ``idx``: is the current policy's greedy answer fully correct?, the greedy
-    generation's seconds). Scored exactly as training samples are (``generate_scored``: reward fields,
-    overlong shaping)."""
+    generation's seconds). Scored as training samples are (``generate_scored``), but only the verdict is
+    read: with a reward that says right/wrong, that source alone is scored, so a PRM's forward, RLPR's
+    policy forward or a judge among the other sources is not run for answers nobody trains on; without
+    one, the full total (every source, overlong shaping) as before."""
     from anabranch.trainer.collect import generate_scored  # lazy: collect.py calls into this module
 
-    batch = generate_scored(_GreedyComponents(c), idx, cfg, step, n=1)
+    src = correctness_source(c.rewards)
+    batch = generate_scored(_GreedyComponents(c), idx, cfg, step, n=1, sources=None if src is None else [src])
     # A greedy answer is not a training sample: OLR / LASER-D must not learn from it.
     discard_reward_observations(c.rewards)
     return batch_correct(batch, c.rewards), batch.t_generate

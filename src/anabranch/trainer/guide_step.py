@@ -46,6 +46,9 @@ class GuideStep:
     behaviour_log_prob: torch.Tensor | None   # [B, R] log π_old(o_t | q, h, o_<t) on guided rows, 0 elsewhere
     guided_rows: torch.Tensor | None          # [B] bool
     metrics: dict
+    # [B] 1.0/0.0 per trained row: its prompt's own samples' right/wrong before the guided groups replaced
+    # the failed ones (0 on a guided row); the loop's task mixture counts these, not the hinted successes.
+    pre_correct: list[float] = dataclasses.field(default_factory=list)
 
     def precomputed(self, pre: dict) -> dict:
         """``pre`` (policy_update's precomputed tensors) with the guided rows' behaviour log-probs."""
@@ -108,7 +111,23 @@ class Guide:
         k, n, ok, tot, pre_ok, pre_tot = counts.tolist()
         out.metrics = {**out.metrics, "guide/guided_groups_frac": k / max(n, 1.0),
                        "guide/guided_success": ok / max(tot, 1.0), "guide/pre_accuracy": pre_ok / max(pre_tot, 1.0)}
-        return GuideStep(out, beh, rows, out.metrics)
+        return GuideStep(out, beh, rows, out.metrics, own_flags(correct, groups, out.rollout.group_index))
+
+
+def own_flags(correct: list[float], before: torch.Tensor, after: torch.Tensor) -> list[float]:
+    """Each row of the batch ``after`` (its group index) the right/wrong of its group's own samples before
+    the hinted groups replaced the failed ones (``correct`` on ``before``, the step's own group index),
+    row for row: a kept group's rows are its own, in order; a replaced group was all wrong, so 0.0 for
+    each of its rows (Guide's ``num_samples`` may give it another number of rows than it had)."""
+    own: dict[int, list[float]] = {}
+    for flag, g in zip(correct, before.tolist()):
+        own.setdefault(g, []).append(float(flag))
+    seen: dict[int, int] = {}
+    out = []
+    for g in after.tolist():
+        k = seen[g] = seen.get(g, -1) + 1
+        out.append(own[g][k] if k < len(own[g]) else 0.0)  # a hinted group larger than its own: all-fail, 0
+    return out
 
 
 def replace_groups(batch: ScoredBatch, guided: ScoredBatch, failed: list[int], hinted_lp: torch.Tensor):

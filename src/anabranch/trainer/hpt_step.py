@@ -70,7 +70,13 @@ def build_sft_batch(tokenizer, prompts: list[str], demonstrations: list[str], ma
         elif eos is not None:
             ids = ids + [eos]
         targets.append(ids)
-    prompt_ids, prompt_mask = left_padded(p_ids, pad)
+    return sft_batch(p_ids, targets, pad)
+
+
+def sft_batch(prompts: list[list[int]], targets: list[list[int]], pad: int) -> SFTBatch:
+    """``[prompt (left-padded) | target (right-padded)]`` from token ids, targets marked in ``target_mask``
+    (HPT's tokenized demonstrations, RLTF-SD's sampled retries)."""
+    prompt_ids, prompt_mask = left_padded(prompts, pad)
     width = max(max(len(t) for t in targets), 1)
     t_ids = torch.full((len(targets), width), pad, dtype=torch.long)
     t_mask = torch.zeros((len(targets), width), dtype=torch.long)
@@ -82,11 +88,13 @@ def build_sft_batch(tokenizer, prompts: list[str], demonstrations: list[str], ma
 
 def sft_extra_loss(model, batch: SFTBatch | None, coef: float, temperature: float, micro_batch_size: int,
                    backward: Callable[[torch.Tensor], None] | None = None, total_tokens: float | None = None,
-                   world_size: int = 1) -> Callable[[], dict]:
+                   world_size: int = 1, weight: torch.Tensor | None = None,
+                   metric: str = "hpt/sft_nll") -> Callable[[], dict]:
     """The ``policy_update(extra_loss=...)`` callable: forward + backward of ``coef · L_SFT`` over
-    ``batch`` in micro-batches (token mean over the whole batch), returning ``hpt/sft_nll``.
+    ``batch`` in micro-batches (token mean over the whole batch), returning ``{metric: L_SFT}``.
 
-    DDP: ``batch`` is this rank's share (None: nothing), ``total_tokens`` the demonstration tokens of
+    ``weight``: [N] one weight per sequence (RLTF-SD's w_{i,k}: ``Σ −w·log π / N``); None: HPT's plain
+    SFT. DDP: ``batch`` is this rank's share (None: nothing), ``total_tokens`` the target tokens of
     all ranks and ``world_size`` W; loss and metric are ``Σ_rank · W / total_tokens``, whose average
     over the ranks (DDP's gradient, ``Distributed.mean_metrics``) is the one-process value."""
     backward = backward or (lambda loss: loss.backward())
@@ -95,25 +103,42 @@ def sft_extra_loss(model, batch: SFTBatch | None, coef: float, temperature: floa
     micro = max(micro_batch_size, 1)
 
     def run() -> dict:
-        if batch is None:  # no switched group on this rank: no forward, only its (zero) share of the metric
-            return {"hpt/sft_nll": 0.0}
+        if batch is None:  # nothing to train on this rank: no forward, only its (zero) share of the metric
+            return {metric: 0.0}
         device = next(model.parameters()).device
         nll_sum = 0.0
         for i in range(0, batch.input_ids.shape[0], micro):
-            ids = batch.input_ids[i:i + micro].to(device)
-            mask = batch.attention_mask[i:i + micro].to(device)
-            tmask = batch.target_mask[i:i + micro].to(device)
-            lp = response_forward(model, ids, mask, batch.response_len, temperature).log_probs
-            loss, part = sft_nll(lp, tmask, total_tokens=total)
+            sl = slice(i, i + micro)
+            lp = response_forward(model, batch.input_ids[sl].to(device), batch.attention_mask[sl].to(device),
+                                  batch.response_len, temperature).log_probs
+            loss, part = sft_nll(lp, batch.target_mask[sl].to(device), total_tokens=total,
+                                 weight=None if weight is None else weight[sl].to(device))
             backward(coef * loss * world_size)  # × W: DDP averages the ranks' gradients
             nll_sum += part
-        return {"hpt/sft_nll": nll_sum * world_size / total}
+        return {metric: nll_sum * world_size / total}
 
     return run
 
 
+def sft_term(model, batch: SFTBatch | None, coef: float, cfg: Config, dist=None, weight: torch.Tensor | None = None,
+             metric: str = "hpt/sft_nll") -> Callable[[], dict] | None:
+    """:func:`sft_extra_loss` of this rank's ``batch`` with the all-ranks target token count (HPT's and
+    RLTF-SD's ``extra_loss``); None when no rank has a batch. Under DDP every rank must call it: it
+    all-reduces the count, so the answer is the same on every rank."""
+    world = 1 if dist is None else dist.world_size
+    total = 0.0 if batch is None else float(batch.target_mask.sum())
+    if world > 1:
+        total = dist.all_reduce_sum(torch.tensor([total], dtype=torch.float64))[0].item()
+    if (total == 0) if world > 1 else batch is None:
+        return None
+    return sft_extra_loss(model, batch, coef, cfg.rollout.temperature, cfg.trainer.micro_batch_size,
+                          None if dist is None else dist.backward, total_tokens=total, world_size=world,
+                          weight=weight, metric=metric)
+
+
 def combine_extra_losses(*fns: Callable[[], dict] | None) -> Callable[[], dict] | None:
-    """One ``extra_loss`` running each given one in turn (DPH-RL's rehearsal and HPT's SFT), or None."""
+    """One ``extra_loss`` running each given one in turn (DPH-RL's rehearsal, HPT's SFT, RL-PLUS's
+    demonstration term, RLTF-SD's self-distillation), or None."""
     live = [f for f in fns if f is not None]
     if len(live) <= 1:
         return live[0] if live else None
@@ -149,16 +174,7 @@ class HPTStep:
     def extra_loss(self, hpt: "HPT", model, dist=None) -> Callable[[], dict] | None:
         """None when no group switched (under DDP: on no rank; every rank must call this, it all-reduces
         the demonstration token count)."""
-        world = 1 if dist is None else dist.world_size
-        total = 0.0 if self.sft_batch is None else float(self.sft_batch.target_mask.sum())
-        if world > 1:
-            total = dist.all_reduce_sum(torch.tensor([total], dtype=torch.float64))[0].item()
-        if (total == 0) if world > 1 else self.sft_batch is None:  # under DDP the same answer on every rank
-            return None
-        c = hpt.cfg
-        return sft_extra_loss(model, self.sft_batch, c.algorithm.hpt.sft_coef, c.rollout.temperature,
-                              c.trainer.micro_batch_size, None if dist is None else dist.backward,
-                              total_tokens=total, world_size=world)
+        return sft_term(model, self.sft_batch, hpt.cfg.algorithm.hpt.sft_coef, hpt.cfg, dist)
 
 
 class HPT:

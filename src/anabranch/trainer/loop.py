@@ -13,7 +13,6 @@ from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.dsdr import apply_dsdr, with_dsdr
 from anabranch.algorithms.overlong import filter_overlong
 from anabranch.algorithms.scaffold import check_run as check_scaffold_run
-from anabranch.algorithms.srpo import check_srpo_run
 from anabranch.config import Config
 from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
@@ -26,6 +25,7 @@ from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.std_filter import build_std_filter
 from anabranch.algorithms.mssr import attach_mssr
 from anabranch.rewards.compose import reward_states
+from anabranch.rollout.retry_turns import check_config as check_retry_turns
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
 from anabranch.trainer.gpu_budget import measured_budget
@@ -74,8 +74,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     quiet_libraries()
     check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
     check_scaffold_run(cfg)  # GHPO scaffolding's backend/tools/pairing: refused before any model loads
-    check_srpo_run(cfg)  # SRPO with rollout.retry_turns: refused before any model loads
     check_spae_run(cfg)  # SPAE with tools / rollout.retry_turns: refused before any model loads
+    if cfg.rollout.retry_turns >= 2:  # with SRPO, CURE, tools, ...: the load-time check, for configs built in code
+        check_retry_turns(cfg)
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -179,14 +180,19 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             if cfg.rollout.temperature_schedule != "constant":  # EAD's d_s: s = training steps done, exact on resume
                 c.backend.schedule_step = step - 1
             batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
-            # Guide: all-fail groups sampled again with a hint, in place, trained for the hint-free prompt
-            guide_step = None if guide is None else guide.step(c, batch, step)
-            batch = batch if guide_step is None else guide_step.batch
-            # Hint scaffolding (GHPO): all-fail groups sampled again with a growing solution prefix, trained in it
-            batch = batch if scaffold is None else scaffold.step(c, batch, step)
-            # AMPO: all-fail groups get the teachers' correct solutions the student finds most likely, in place
-            ampo_step = None if ampo is None else ampo.step(c, batch, micro_tokens)
-            batch = batch if ampo_step is None else ampo_step.batch
+            # The step's method results, (method, result), folded into the update below: a batch rewriter's
+            # .batch, and where present .precomputed(pre), .extra_loss(method, model, dist), .metrics, .pre_correct
+            parts = []
+            # Guide / GHPO scaffolding: all-fail groups sampled again with a hint (Guide trains them for the
+            # hint-free prompt, scaffolding in the hinted one); AMPO: the teachers' correct solutions the student
+            # finds most likely. Each replaces the groups in place (at most one of them is on).
+            for method in (guide, scaffold):
+                if method is not None:
+                    parts.append((method, method.step(c, batch, step)))
+                    batch = parts[-1][1].batch
+            if ampo is not None:
+                parts.append((ampo, ampo.step(c, batch, micro_tokens)))
+                batch = parts[-1][1].batch
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
@@ -208,25 +214,34 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 train_rollout, void_metrics = c.backend.filter_void_turns(train_rollout)
                 batch.metrics.update(void_metrics)  # tools/void_turn_frac
             # HPT: groups with accuracy <= gamma leave the RL loss and train on their demonstration instead
-            hpt_step = None if hpt is None else hpt.step(batch, train_rollout, c.rewards)
-            train_rollout = train_rollout if hpt_step is None else hpt_step.rollout
+            if hpt is not None:
+                parts.append((hpt, hpt.step(batch, train_rollout, c.rewards)))
+                train_rollout = parts[-1][1].rollout
             # RL-PLUS: each prompt's demonstration, its advantage and π_old, before the update changes the policy
-            rlp_step = None if rl_plus is None else rl_plus.step(batch, train_rollout, c.model)
+            if rl_plus is not None:
+                parts.append((rl_plus, rl_plus.step(batch, train_rollout, c.model)))
             # RLTF-SD: the retries (attempt k >= 2) of the scored episodes, to train after the prompt alone
-            sd_step = None if rltf_sd is None else rltf_sd.step(rollout)
+            if rltf_sd is not None:
+                parts.append((rltf_sd, rltf_sd.step(rollout)))
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
-            kd_step = None if kdrl is None else kdrl.step(step, batch, rollout, c.rewards, micro_tokens)
+            if kdrl is not None:
+                parts.append((kdrl, kdrl.step(step, batch, rollout, c.rewards, micro_tokens)))
             # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term
-            sr_step = None if srpo is None else srpo.step(c.model, batch, rollout, c.rewards, micro_tokens,
-                                                          trained_mask=train_rollout.trained_mask)
+            advantages = adv.advantages
+            if srpo is not None:
+                parts.append((srpo, srpo.step(c.model, batch, rollout, c.rewards, micro_tokens,
+                                              trained_mask=train_rollout.trained_mask)))
+                advantages = parts[-1][1].advantages(advantages)
             precomputed = with_dsdr(adv.precomputed, dsdr_weight)
-            precomputed = precomputed if kd_step is None else kd_step.precomputed(precomputed)
-            precomputed = precomputed if sr_step is None else sr_step.precomputed(precomputed)
-            precomputed = precomputed if guide_step is None else guide_step.precomputed(precomputed)
-            precomputed = precomputed if ampo_step is None else ampo_step.precomputed(precomputed)
+            for _, part in parts:  # each method's own keys (KDRL, SRPO, Guide's π_old, AMPO's rows)
+                precomputed = part.precomputed(precomputed) if hasattr(part, "precomputed") else precomputed
+            # Extra loss terms (DPH-RL, HPT, RL-PLUS, RLTF-SD): under DDP every rank builds each, as they all-reduce
+            extra_loss = combine_extra_losses(
+                None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
+                *(part.extra_loss(method, dist.policy(c.model), dist.active)
+                  for method, part in parts if hasattr(part, "extra_loss")))
             metrics = policy_update(
-                dist.policy(c.model), c.optimizer, train_rollout,
-                adv.advantages if sr_step is None else sr_step.advantages(adv.advantages), rewards, c.algo,
+                dist.policy(c.model), c.optimizer, train_rollout, advantages, rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
                 ref_model=c.ref_model, modules=c.modules, kl_coef=adv.kl_coef,
@@ -235,11 +250,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 share_prompt_prefix=cfg.trainer.share_prompt_prefix,
                 zero_advantage_rows=cfg.trainer.zero_advantage_rows,
                 oom_retry=gpu_budget is not None,  # a measured budget that proves too large is halved
-                extra_loss=combine_extra_losses(
-                    None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
-                    None if hpt_step is None else hpt_step.extra_loss(hpt, dist.policy(c.model), dist.active),
-                    None if rlp_step is None else rlp_step.extra_loss(rl_plus, dist.policy(c.model), dist.active),
-                    None if sd_step is None else sd_step.extra_loss(rltf_sd, dist.policy(c.model), dist.active)),
+                extra_loss=extra_loss,
             )
         if gpu_budget is not None:
             gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
@@ -253,11 +264,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             metrics.update(ref_reset.after_update(step))
         t_sync = time.perf_counter()
         c.backend.sync_weights(c.model)
-        metrics.update({**adv.metrics, **batch.metrics, **({} if hpt_step is None else hpt_step.metrics),
-                        **({} if rlp_step is None else rlp_step.metrics),
-                        **({} if kd_step is None else kd_step.metrics),
-                        **({} if sr_step is None else sr_step.metrics),
-                        **({} if sd_step is None else sd_step.metrics)})
+        # batch.metrics last: a batch rewriter's .metrics is the batch's at its step (its keys are in the batch's)
+        metrics.update({**adv.metrics, **{k: v for _, part in parts for k, v in getattr(part, "metrics", {}).items()},
+                        **batch.metrics})
         metrics.update({"time/step_s": time.perf_counter() - t0, "time/generate_s": t_gen,
                         "time/sync_weights_s": time.perf_counter() - t_sync})
         if c.device.type == "cuda":  # this process's peak GPU memory so far (allocated tensors)
@@ -271,8 +280,10 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             metrics.update(curation.sampler.stats)
         if cfg.task.mixture:  # task/<source>/... metrics; the curriculum's update for the next draw
             flags = correct_flags(per_source[acc_src.name]) if acc_src is not None else None
-            # AMPO: the samples' own right/wrong, before teacher rows replaced some (task.curriculum is refused)
-            flags = flags if ampo_step is None or flags is None else ampo_step.pre_correct
+            # Guide, scaffolding, AMPO: each row's own right/wrong, before hinted or teacher rows replaced the
+            # failed groups' (task.curriculum, which reads their |advantage|, is refused with them)
+            flags = flags if flags is None else next((p.pre_correct for _, p in parts if hasattr(p, "pre_correct")),
+                                                     flags)
             metrics.update(mixture_step(sampler, dist, rows, adv.advantages, rollout.trained_mask, total, flags))
         metrics["lr"] = scheduler.get_last_lr()[0]
         ckpt.observe(step, metrics)  # counts and reports NaN/inf steps

@@ -7,8 +7,9 @@ Each step, after the rollouts are scored:
 2. Each becomes ``prompt + attempt k``: the rollout's own prompt tokens (x₀: no earlier attempt, no
    feedback) then the attempt's sampled tokens, its EOS included when it wrote one; only the attempt's
    tokens are targets (HPT's :class:`SFTBatch` layout, the ids taken as sampled, not re-tokenized).
-3. ``λ · Σ −w·log π_θ / N`` over them runs as ``policy_update``'s ``extra_loss`` (its own forward and
-   backward into the same gradient and optimizer step, once per PPO epoch), combined with the other
+3. ``λ · Σ −w·log π_θ / N`` over them runs as ``policy_update``'s ``extra_loss`` : HPT's SFT term
+   (trainer/hpt_step.py ``sft_term``) with the per-sequence weights w, its own forward and backward into
+   the same gradient and optimizer step, once per PPO epoch, combined with the other
    extra terms (DPH-RL, HPT, RL-PLUS) by ``combine_extra_losses``.
 
 Data parallel (plain DDP), as HPT's term: each rank distils its own groups' retries, scaled
@@ -27,55 +28,29 @@ from typing import Callable
 
 import torch
 
-from anabranch.algorithms.rltf_sd import distill_spans, weighted_nll
+from anabranch.algorithms.rltf_sd import distill_spans
 from anabranch.config import Config
-from anabranch.models.logprobs import response_forward
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout
 from anabranch.trainer.distributed import require_plain_ddp
-from anabranch.trainer.hpt_step import SFTBatch
+from anabranch.trainer.hpt_step import SFTBatch, sft_batch, sft_extra_loss, sft_term
+
+METRIC = "rltf/sd_loss"  # Σ −w·log π / N, the term before λ
 
 
 def first_turn_batch(rollout: Rollout, spans, pad: int) -> tuple[SFTBatch, torch.Tensor]:
     """``[prompt (left-padded) | attempt tokens (right-padded)]`` for each span, and the spans' weights."""
     prompts = [rollout.prompt_ids[s.row][rollout.prompt_mask[s.row] > 0].tolist() for s in spans]
     targets = [rollout.response_ids[s.row, s.columns].tolist() for s in spans]
-    prompt_ids, prompt_mask = left_padded(prompts, pad)
-    width = max(len(t) for t in targets)
-    t_ids = torch.full((len(targets), width), pad, dtype=torch.long)
-    t_mask = torch.zeros((len(targets), width), dtype=torch.long)
-    for i, t in enumerate(targets):
-        t_ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        t_mask[i, :len(t)] = 1
-    batch = SFTBatch(torch.cat([prompt_ids, t_ids], 1), torch.cat([prompt_mask, t_mask], 1), t_mask)
-    return batch, torch.tensor([s.weight for s in spans], dtype=torch.float32)
+    return sft_batch(prompts, targets, pad), torch.tensor([s.weight for s in spans], dtype=torch.float32)
 
 
 def sd_extra_loss(model, batch: SFTBatch | None, weight: torch.Tensor | None, coef: float, temperature: float,
                   micro_batch_size: int, backward: Callable[[torch.Tensor], None] | None = None,
                   total_tokens: float | None = None, world_size: int = 1) -> Callable[[], dict]:
-    """The ``policy_update(extra_loss=...)`` callable: forward + backward of ``coef · L_SD`` over ``batch``
-    in micro-batches, returning ``rltf/sd_loss``. DDP: ``batch`` is this rank's share (None: nothing),
-    ``total_tokens`` the distilled tokens of all ranks; loss and metric × W / total (HPT's scaling)."""
-    backward = backward or (lambda loss: loss.backward())
-    local = 0.0 if batch is None else float(batch.target_mask.sum())
-    total = max(float(total_tokens if total_tokens is not None else local), 1.0)
-    micro = max(micro_batch_size, 1)
-
-    def run() -> dict:
-        if batch is None:  # nothing to distil on this rank: no forward, its zero share of the metric
-            return {"rltf/sd_loss": 0.0}
-        device = next(model.parameters()).device
-        loss_sum = 0.0
-        for i in range(0, batch.input_ids.shape[0], micro):
-            sl = slice(i, i + micro)
-            lp = response_forward(model, batch.input_ids[sl].to(device), batch.attention_mask[sl].to(device),
-                                  batch.response_len, temperature).log_probs
-            loss, part = weighted_nll(lp, batch.target_mask[sl].to(device), weight[sl].to(device), total)
-            backward(coef * loss * world_size)  # × W: DDP averages the ranks' gradients
-            loss_sum += part
-        return {"rltf/sd_loss": loss_sum * world_size / total}
-
-    return run
+    """The ``policy_update(extra_loss=...)`` callable of ``coef · L_SD``, returning ``rltf/sd_loss``: HPT's
+    SFT term (trainer/hpt_step.py ``sft_extra_loss``, its DDP scaling included) with the weights w_{i,k}."""
+    return sft_extra_loss(model, batch, coef, temperature, micro_batch_size, backward, total_tokens, world_size,
+                          weight=weight, metric=METRIC)
 
 
 @dataclasses.dataclass
@@ -89,18 +64,11 @@ class RLTFSDStep:
     def extra_loss(self, sd: "RLTFSD", model, dist=None) -> Callable[[], dict] | None:
         """None when nothing is distilled (under DDP: on no rank; every rank must call this, it all-reduces
         the distilled token count)."""
-        world = 1 if dist is None else dist.world_size
-        total = 0.0 if self.batch is None else float(self.batch.target_mask.sum())
-        if world > 1:
-            total = dist.all_reduce_sum(torch.tensor([total], dtype=torch.float64))[0].item()
-        if total == 0:
-            # the key is logged on every step (and every rank), as mean_metrics needs the same keys
-            self.metrics["rltf/sd_loss"] = 0.0
-            return None
-        c = sd.cfg
-        return sd_extra_loss(model, self.batch, self.weight, c.algorithm.rltf_sd_coef, c.rollout.temperature,
-                             c.trainer.micro_batch_size, None if dist is None else dist.backward,
-                             total_tokens=total, world_size=world)
+        fn = sft_term(model, self.batch, sd.cfg.algorithm.rltf_sd_coef, sd.cfg, dist, weight=self.weight,
+                      metric=METRIC)
+        if fn is None:  # the key is logged on every step (and every rank), as mean_metrics needs the same keys
+            self.metrics[METRIC] = 0.0
+        return fn
 
 
 class RLTFSD:

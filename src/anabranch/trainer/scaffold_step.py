@@ -17,6 +17,8 @@ groups replaced theirs).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from anabranch.algorithms.guide import all_fail_groups, hinted_prompt, question_text
@@ -25,7 +27,18 @@ from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
-from anabranch.trainer.guide_step import HintedPrompts
+from anabranch.trainer.guide_step import HintedPrompts, own_flags
+
+
+@dataclasses.dataclass
+class ScaffoldStep:
+    """One step's outcome: the batch with the hinted groups in place (their metrics in ``batch.metrics``)."""
+
+    batch: ScoredBatch
+    metrics: dict
+    # [B] 1.0/0.0 per trained row: its prompt's own samples' right/wrong before the hinted groups replaced
+    # the failed ones (0 on a hinted row); the loop's task mixture counts these, not the hinted successes.
+    pre_correct: list[float]
 
 
 class Scaffold:
@@ -57,8 +70,9 @@ class Scaffold:
         prompts = [hinted_prompt(batch.rollout.prompts[g], question_text(r), h) for g, r, h in zip(groups, rows, hints)]
         return prompts, rows
 
-    def step(self, c, batch: ScoredBatch, step: int | None = None) -> ScoredBatch:
-        """``batch`` with each all-fail group replaced by its hinted samples (the last stage it reached)."""
+    def step(self, c, batch: ScoredBatch, step: int | None = None) -> ScaffoldStep:
+        """``batch`` with each all-fail group replaced by its hinted samples (the last stage it reached), and
+        each trained row's pre-replacement right/wrong."""
         correct = batch_correct(batch, c.rewards)
         failed = all_fail_groups(torch.tensor(correct), batch.rollout.group_index)
         n_groups = len(batch.rollout.prompts)
@@ -91,7 +105,7 @@ class Scaffold:
         k, n, w, pre_ok, pre_tot = counts.tolist()
         out.metrics = {**out.metrics, "scaffold/hinted_groups": k / max(n, 1.0),
                        "scaffold/hint_ratio": w / max(k, 1.0), "scaffold/pre_accuracy": pre_ok / max(pre_tot, 1.0)}
-        return out
+        return ScaffoldStep(out, out.metrics, own_flags(correct, batch.rollout.group_index, out.rollout.group_index))
 
 
 def replace_groups(batch: ScoredBatch, trained: dict, t_gen: float) -> ScoredBatch:

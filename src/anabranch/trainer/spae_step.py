@@ -31,12 +31,11 @@ import dataclasses
 
 import torch
 
-from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.spae import (post_saturation, potential_deltas, select_steps, spae_advantages, spae_on,
                                        step_ends, step_potential, token_steps)
 from anabranch.config import Config, ConfigError
 from anabranch.rollout.base import Rollout, left_padded
-from anabranch.trainer.advantage_pass import rollout_forward
+from anabranch.trainer.advantage_pass import advantage_stats, rollout_forward
 
 
 def check_spae_run(cfg: Config) -> None:
@@ -179,11 +178,9 @@ class SPAE:
         adv.advantages = spae_advantages(adv.advantages, mask, steps, delta, post, a.spae_coef,
                                          a.spae_saturation_penalty)
         # advantage/mean and advantage/std describe what the update trains on, so they are recomputed after
-        # SPAE's term (same mask and formula as advantage_pass); the estimator's own values stay as spae/base_*.
+        # SPAE's term (advantage_pass's advantage_stats, same mask); the estimator's own values stay as spae/base_*.
         adv.metrics.update({f"spae/base_{k.split('/')[1]}": v for k, v in base.items()})
-        mean = masked_mean(adv.advantages, mask).item()
-        adv.metrics["advantage/mean"] = mean
-        adv.metrics["advantage/std"] = masked_mean((adv.advantages - mean) ** 2, mask).item() ** 0.5
+        adv.metrics.update(advantage_stats(adv.advantages, mask))
         n = st.valid.sum().clamp(min=1)
         post_tok = torch.gather(post.long(), 1, steps.clamp(min=0)) * (steps >= 0)
         adv.metrics.update({

@@ -82,8 +82,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     values, returns: see ``advantage_pass``); ``kl_coef`` overrides ``cfg.kl_coef`` (adaptive KL);
     ``dist`` (a :class:`~anabranch.trainer.distributed.Distributed`): data parallel, with the
     global batch's normalizers and the launcher's backward and gradient clipping;
-    ``extra_loss``: a term outside the rollout batch (DPH-RL's rehearsal, trainer/rehearsal.py; HPT's SFT
-    and RL-PLUS's external term), called once per epoch before clipping, after the micro-batches (one
+    ``extra_loss``: a term outside the rollout batch (DPH-RL's rehearsal, trainer/rehearsal.py; HPT's SFT,
+    RL-PLUS's external term and RLTF-SD's self-distillation), called once per epoch before clipping, after the micro-batches (one
     process) or, under DDP, inside no_sync before the last one so that its gradient joins the
     all-reduce; it runs its own forward and backward (into the same gradient, for the same optimizer
     step), already scaled for DDP's average over ranks, and returns its metrics;
