@@ -86,6 +86,10 @@ class Rollout:
             return self.response_mask
         return self.response_mask * self.loss_mask.to(self.response_mask.dtype)
 
+    def prompt_tokens(self, i: int) -> list[int]:
+        """Row ``i``'s prompt tokens without its left padding (to build a new context after it)."""
+        return self.prompt_ids[i][self.prompt_mask[i].bool()].tolist()
+
     def take(self, rows) -> "Rollout":
         """The sequences ``rows`` (indices, in that order, repeats allowed): every per-row field sliced,
         whatever fields the class holds (tensors on dim 0, lists picked, None kept), so that a new field
@@ -123,6 +127,34 @@ def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, tor
             ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             mask[i, width - len(seq):] = 1
     return ids, mask
+
+
+def right_padded(sequences: list[list[int]], pad: int, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each [len(sequences), width], the sequences padded on the right with ``pad``: the
+    counterpart of :func:`left_padded` for what follows a prompt (responses, targets). ``width`` is the
+    longest sequence, at least ``min_width`` (default 1: a batch of empty responses still has a column)."""
+    width = max([min_width] + [len(s) for s in sequences])
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[i, :len(seq)] = 1
+    return ids, mask
+
+
+def pad_id(tokenizer, fallback: int | None = None) -> int | None:
+    """The tokenizer's pad id, else ``fallback`` (callers pass their EOS: padding is masked out anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fallback
+
+
+def cut_at_eos(ids: list[int], eos_ids) -> tuple[list[int], bool]:
+    """(``ids`` through the first token in ``eos_ids``, inclusive; whether there was one). Without one,
+    ``ids`` whole: a backend may overshoot past EOS (padding), and the loss trains the stop token."""
+    for k, tok in enumerate(ids):
+        if tok in eos_ids:
+            return ids[:k + 1], True
+    return ids, False
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig, TaskConfig
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout, left_padded, pad_id, right_padded
 from anabranch.rollout.tools import RESULT_TAG, Tool, ToolError, build_tools, tool_instructions
 from anabranch.rollout.void_turns import filter_void_turns
 
@@ -250,17 +250,13 @@ class ToolUseBackend:
 
     def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, calls, errors, per_tool) -> Rollout:
         tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+        pad = pad_id(tok, self.eos_ids[0])
         prompt_ids, prompt_mask = left_padded(enc, pad)  # as the backends give them
-        rows, width_r = len(resp), max(1, max(len(r) for r in resp))
-        response_ids = torch.full((rows, width_r), pad, dtype=torch.long)
-        response_mask = torch.zeros((rows, width_r), dtype=torch.long)
-        loss_mask = torch.zeros((rows, width_r), dtype=torch.long)
+        response_ids, response_mask = right_padded(resp, pad)
+        loss_mask = right_padded(trained, 0)[0]  # trained[i] is as long as resp[i]: the same width
+        rows, width_r = response_ids.shape
         sample_lp = torch.zeros(rows, width_r) if logps is not None else None
         for i, r in enumerate(resp):
-            response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[i, :len(r)] = 1
-            loss_mask[i, :len(r)] = torch.tensor(trained[i], dtype=torch.long)
             if sample_lp is not None:
                 sample_lp[i, :len(r)] = torch.tensor(logps[i])
         tool_tokens = sum(len(t) - sum(t) for t in trained)

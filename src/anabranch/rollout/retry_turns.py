@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout, cut_at_eos, left_padded, pad_id, right_padded
 
 FEEDBACK = "Let's try again."
 _MARK = "\x1fATTEMPT\x1f"  # stands for the assistant's message when the template is rendered
@@ -122,22 +122,20 @@ class RetryTurnsBackend:
                                           seed=None if seed is None else seed + 1_000_003 * turn)
             still = []
             for i, (ids, lps) in zip(active, got):
-                ids = list(ids)
-                eos = next((j for j, t in enumerate(ids) if t in self.eos_ids), None)
-                ids = ids if eos is None else ids[:eos + 1]  # a backend may pad past EOS
+                ids, ended = cut_at_eos(list(ids), self.eos_ids)  # a backend may pad past EOS
                 text = tok.decode(ids, skip_special_tokens=True)
                 resp[i] += ids
                 trained[i] += [1] * len(ids)
                 has_logps = has_logps and lps is not None
                 logps[i] += list(lps[:len(ids)]) if lps is not None else [0.0] * len(ids)
                 attempts[i] += 1
-                ended_eos[i] = eos is not None
+                ended_eos[i] = ended
                 right = gold[i] is not None and self.check(text, str(gold[i]))
                 outcomes[i].append(int(right))
                 if right:
                     solved_at[i] = attempts[i]
                     continue
-                if eos is None or gold[i] is None or attempts[i] >= k_max:
+                if not ended or gold[i] is None or attempts[i] >= k_max:
                     continue
                 fb = self._feedback_after(ids[-1])
                 if len(resp[i]) + len(fb) >= budget:  # no room for the feedback and one token more
@@ -154,17 +152,13 @@ class RetryTurnsBackend:
     def _rollout(self, prompts, enc, n, resp, trained, logps, ended_eos, attempts, solved_at,
                  outcomes=None) -> Rollout:
         tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+        pad = pad_id(tok, self.eos_ids[0])
         prompt_ids, prompt_mask = left_padded(enc, pad)
-        rows, width = len(resp), max(1, max(len(r) for r in resp))
-        response_ids = torch.full((rows, width), pad, dtype=torch.long)
-        response_mask = torch.zeros((rows, width), dtype=torch.long)
-        loss_mask = torch.zeros((rows, width), dtype=torch.long)
+        response_ids, response_mask = right_padded(resp, pad)
+        loss_mask = right_padded(trained, 0)[0]  # trained[i] is as long as resp[i]: the same width
+        rows, width = response_ids.shape
         sample_lp = torch.zeros(rows, width) if logps is not None else None
         for i, r in enumerate(resp):
-            response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[i, :len(r)] = 1
-            loss_mask[i, :len(r)] = torch.tensor(trained[i], dtype=torch.long)
             if sample_lp is not None:
                 sample_lp[i, :len(r)] = torch.tensor(logps[i])
         fb_tokens = sum(len(t) - sum(t) for t in trained)

@@ -30,7 +30,7 @@ from anabranch.algorithms.guide import all_fail_groups
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
-from anabranch.rollout.base import Rollout
+from anabranch.rollout.base import Rollout, pad_id, right_padded
 from anabranch.trainer.collect import ScoredBatch, concat_batches, score_rollout, select_groups
 
 
@@ -79,19 +79,14 @@ def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     """One group of ``texts`` as responses after the group's prompt tokens (``prompt_ids``/``prompt_mask``:
     [P], its left-padded row): each ``text + eos`` (``eos``: the policy's stop token, :func:`stop_token`),
     cut to ``max_tokens`` (then truncated, without eos)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    pad = pad_id(tokenizer, eos if eos is not None else 0)
     seqs, truncated = [], []
     for t in texts:
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
         cut = len(ids) + (eos is not None) > max_tokens
         seqs.append(ids[:max_tokens] if cut else ids + ([eos] if eos is not None else []))
         truncated.append(cut)
-    width = max(max(len(s) for s in seqs), 1)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
+    ids, mask = right_padded(seqs, pad)
     n = len(texts)
     return Rollout(prompt_ids=prompt_ids[None].expand(n, -1).clone(), prompt_mask=prompt_mask[None].expand(n, -1).clone(),
                    response_ids=ids, response_mask=mask, group_index=torch.zeros(n, dtype=torch.long),

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from anabranch.rollout.base import Rollout
+from anabranch.rollout.base import Rollout, cut_at_eos
 
 SELECTIONS = ("entropy", "random")
 
@@ -97,14 +97,6 @@ def token_entropies(model, rollout: Rollout, micro_batch_size: int, temperature:
     return out["entropy"] * rollout.response_mask
 
 
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
-    """The tokens through the first EOS (inclusive), and whether there was none (truncated)."""
-    for k, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[:k + 1], False
-    return tokens, True
-
-
 def branch_rows(backend, rollout: Rollout, positions: torch.Tensor, n2: int, max_new_tokens: int) -> list[dict]:
     """``n2`` branches of each row of ``rollout`` (row-major: row 0's, then row 1's, ...), each a dict of
     ``source`` (the original row), ``tokens`` (prefix ⊕ continuation), ``start`` (the prefix length: where
@@ -112,7 +104,7 @@ def branch_rows(backend, rollout: Rollout, positions: torch.Tensor, n2: int, max
     sequences, budgets, meta = [], [], []
     for i in range(rollout.response_ids.shape[0]):
         t = int(positions[i])
-        prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
+        prompt = rollout.prompt_tokens(i)
         prefix = rollout.response_ids[i, :t].tolist()
         for _ in range(n2):
             sequences.append(prompt + prefix)
@@ -122,8 +114,8 @@ def branch_rows(backend, rollout: Rollout, positions: torch.Tensor, n2: int, max
     eos = set(backend.eos_ids)
     rows = []
     for (i, prefix), (cont, lps) in zip(meta, outs):
-        kept, truncated = _cut_at_eos(list(cont), eos)
-        rows.append({"source": i, "tokens": prefix + kept, "start": len(prefix), "truncated": truncated,
+        kept, ended = cut_at_eos(list(cont), eos)
+        rows.append({"source": i, "tokens": prefix + kept, "start": len(prefix), "truncated": not ended,
                      "log_probs": None if lps is None else list(lps[:len(kept)])})
     return rows
 

@@ -40,7 +40,7 @@ from anabranch.eval.accuracy import batch_correct
 from anabranch.models.logprobs import response_forward
 from anabranch.rewards.guard import warn
 from anabranch.trainer.distributed import require_plain_ddp
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout, left_padded, pad_id, right_padded
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ def build_sft_batch(tokenizer, prompts: list[str], demonstrations: list[str], ma
     """Tokenize ``prompt`` and ``demonstration + eos`` for each pair; ``max_tokens`` > 0 cuts a longer
     demonstration to its first ``max_tokens`` tokens (then without eos: the text does not end there)."""
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = pad_id(tokenizer, eos)
     p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     targets = []
     for d in demonstrations:
@@ -77,12 +77,7 @@ def sft_batch(prompts: list[list[int]], targets: list[list[int]], pad: int) -> S
     """``[prompt (left-padded) | target (right-padded)]`` from token ids, targets marked in ``target_mask``
     (HPT's tokenized demonstrations, RLTF-SD's sampled retries)."""
     prompt_ids, prompt_mask = left_padded(prompts, pad)
-    width = max(max(len(t) for t in targets), 1)
-    t_ids = torch.full((len(targets), width), pad, dtype=torch.long)
-    t_mask = torch.zeros((len(targets), width), dtype=torch.long)
-    for i, t in enumerate(targets):
-        t_ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        t_mask[i, :len(t)] = 1
+    t_ids, t_mask = right_padded(targets, pad)
     return SFTBatch(torch.cat([prompt_ids, t_ids], 1), torch.cat([prompt_mask, t_mask], 1), t_mask)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from anabranch.algorithms.rltf_sd import distill_spans
 from anabranch.config import Config
-from anabranch.rollout.base import Rollout
+from anabranch.rollout.base import Rollout, pad_id
 from anabranch.trainer.distributed import require_plain_ddp
 from anabranch.trainer.hpt_step import SFTBatch, sft_batch, sft_extra_loss, sft_term
 
@@ -39,7 +39,7 @@ METRIC = "rltf/sd_loss"  # Σ −w·log π / N, the term before λ
 
 def first_turn_batch(rollout: Rollout, spans, pad: int) -> tuple[SFTBatch, torch.Tensor]:
     """``[prompt (left-padded) | attempt tokens (right-padded)]`` for each span, and the spans' weights."""
-    prompts = [rollout.prompt_ids[s.row][rollout.prompt_mask[s.row] > 0].tolist() for s in spans]
+    prompts = [rollout.prompt_tokens(s.row) for s in spans]
     targets = [rollout.response_ids[s.row, s.columns].tolist() for s in spans]
     return sft_batch(prompts, targets, pad), torch.tensor([s.weight for s in spans], dtype=torch.float32)
 
@@ -78,7 +78,7 @@ class RLTFSD:
         self.cfg = cfg
         # DDP with several ranks (the metric's mean over every rank's episodes); None: one process.
         self.dist = dist if dist is not None and getattr(dist, "world_size", 1) > 1 else None
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad = pad_id(tokenizer, tokenizer.eos_token_id)
 
     @classmethod
     def create(cls, cfg: Config, dist, c) -> "RLTFSD | None":

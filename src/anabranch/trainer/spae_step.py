@@ -34,7 +34,7 @@ import torch
 from anabranch.algorithms.spae import (post_saturation, potential_deltas, select_steps, spae_advantages, spae_on,
                                        step_ends, step_potential, token_steps)
 from anabranch.config import Config, ConfigError
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout, left_padded, pad_id, right_padded
 from anabranch.trainer.advantage_pass import advantage_stats, rollout_forward
 
 
@@ -75,7 +75,7 @@ def probe_items(rollout: Rollout, boundaries: list[list[int]], answers: list, to
         gold = tokenizer.encode(str(answer), add_special_tokens=False) if answer not in (None, "") else []
         if not gold or not ends:
             continue
-        prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
+        prompt = rollout.prompt_tokens(i)
         response = rollout.response_ids[i].tolist()
         for k, e in enumerate(ends):
             keys.append((i, k))
@@ -87,12 +87,7 @@ def probe_items(rollout: Rollout, boundaries: list[list[int]], answers: list, to
 def probe_rollout(contexts: list[list[int]], targets: list[list[int]], pad: int) -> Rollout:
     """The probes as a Rollout: contexts left-padded as prompts, gold answers right-padded as responses."""
     ids, mask = left_padded(contexts, pad)
-    width = max(len(t) for t in targets)
-    resp = torch.full((len(targets), width), pad, dtype=torch.long)
-    rmask = torch.zeros(len(targets), width, dtype=mask.dtype)
-    for j, t in enumerate(targets):
-        resp[j, :len(t)] = torch.tensor(t, dtype=torch.long)
-        rmask[j, :len(t)] = 1
+    resp, rmask = right_padded(targets, pad, min_width=0)
     return Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=rmask,
                    group_index=torch.arange(len(targets)), prompts=[], completions=[],
                    truncated=torch.zeros(len(targets), dtype=torch.bool))
@@ -130,7 +125,7 @@ class SPAE:
 
     def __init__(self, cfg: Config, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad = pad_id(tokenizer, tokenizer.eos_token_id)
 
     @classmethod
     def create(cls, cfg: Config, dist, c) -> "SPAE | None":

@@ -36,7 +36,7 @@ import torch
 from anabranch.algorithms.srpo import entropy_weights, route_advantages, srpo_on
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
-from anabranch.rollout.base import Rollout, left_padded
+from anabranch.rollout.base import Rollout, left_padded, pad_id
 from anabranch.trainer.advantage_pass import rollout_forward
 
 
@@ -75,7 +75,7 @@ def teacher_contexts(rollout: Rollout, correct: torch.Tensor, answers: list, tok
             solution, kind = tokenizer.encode(str(answers[i]), add_special_tokens=False), "answer"
         else:
             continue
-        prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
+        prompt = rollout.prompt_tokens(i)
         rows.append(i)
         contexts.append(prompt + before + solution + after)
         kinds.append(kind)
@@ -148,7 +148,7 @@ class SRPO:
         distilled = torch.zeros(b, dtype=torch.bool)
         teacher_lp, weight = torch.zeros(b, width), torch.zeros(b, width)
         if rows:
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            pad = pad_id(self.tokenizer, self.tokenizer.eos_token_id)
             tr = teacher_rollout(rollout, rows, contexts, pad)
             out: dict = {}
             lp, _ = rollout_forward(model, tr, t.micro_batch_size, self.cfg.rollout.temperature,
