@@ -129,6 +129,41 @@ def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
+class BackendWrapper:
+    """A rollout backend that generates in turns over an ``inner`` one offering ``continue_ids`` (tool
+    turns, retry turns). Options the trainer sets on whatever it holds (``share_prompt_prefix``, ...)
+    are the inner backend's, so attributes read and written here go through to it; ``synced_gpus``
+    (sharded training) is refused with ``SHARDED_REASON``, because responses end at different turns and
+    the processes would run different numbers of generate calls while their forwards must stay in step."""
+
+    KEY = ""             # the config key that turns the wrapper on, for the errors
+    SHARDED_REASON = ""  # why its turns differ between processes
+
+    def __init__(self, backend, **fields):
+        if not hasattr(backend, "continue_ids"):
+            from anabranch.config import ConfigError
+
+            raise ConfigError(f"{self.KEY}: the {type(backend).__name__} backend cannot continue a response "
+                              "in a new turn (no continue_ids)")
+        self.__dict__["inner"] = backend  # set directly: __setattr__ forwards to the inner backend
+        self.__dict__.update(eos_ids=list(backend.eos_ids), **fields)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name, value):
+        if name == "synced_gpus" and value:
+            from anabranch.config import ConfigError
+
+            raise ConfigError(f"{self.KEY} does not combine with sharded training (FSDP / ZeRO-3): "
+                              f"{self.SHARDED_REASON}, so the processes would run different numbers of generate "
+                              "calls while their forward passes must stay in step")
+        setattr(self.inner, name, value)
+
+    def sync_weights(self, model) -> None:
+        self.inner.sync_weights(model)
+
+
 def right_padded(sequences: list[list[int]], pad: int, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), each [len(sequences), width], the sequences padded on the right with ``pad``: the
     counterpart of :func:`left_padded` for what follows a prompt (responses, targets). ``width`` is the

@@ -45,8 +45,8 @@ from typing import Optional
 
 import torch
 
-from anabranch.config import ConfigError, RolloutConfig, TaskConfig
-from anabranch.rollout.base import Rollout, left_padded, pad_id, right_padded
+from anabranch.config import RolloutConfig, TaskConfig
+from anabranch.rollout.base import BackendWrapper, Rollout, left_padded, pad_id, right_padded
 from anabranch.rollout.tools import RESULT_TAG, Tool, ToolError, build_tools, tool_instructions
 from anabranch.rollout.void_turns import filter_void_turns
 
@@ -60,30 +60,15 @@ def result_text(output: str) -> str:
     return f"\n<{RESULT_TAG}>\n{output}\n</{RESULT_TAG}>\n"
 
 
-class ToolUseBackend:
+class ToolUseBackend(BackendWrapper):
     """Multi-turn generation with tools over a backend that offers ``continue_ids``."""
 
+    KEY = "rollout.tools"
+    SHARDED_REASON = "the processes' responses call tools at different turns"
+
     def __init__(self, backend, tokenizer, tools: list[Tool], cfg: RolloutConfig):
-        if not hasattr(backend, "continue_ids"):
-            raise ConfigError(f"rollout.tools: the {type(backend).__name__} backend cannot continue a response "
-                              "after a tool call (no continue_ids)")
-        self.__dict__["inner"] = backend  # set directly: __setattr__ forwards to the inner backend
-        self.__dict__.update(tokenizer=tokenizer, tools=list(tools), cfg=cfg, eos_ids=list(backend.eos_ids),
-                             _by_close={t.close_tag: t for t in tools})
-
-    # The trainer sets backend options (share_prompt_prefix) on whatever it holds: they are the inner one's.
-    def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
-
-    def __setattr__(self, name, value):
-        if name == "synced_gpus" and value:
-            raise ConfigError("rollout.tools does not combine with sharded training (FSDP / ZeRO-3): the "
-                              "processes' responses call tools at different turns, so they would run different "
-                              "numbers of generate calls while their forward passes must stay in step")
-        setattr(self.inner, name, value)
-
-    def sync_weights(self, model) -> None:
-        self.inner.sync_weights(model)
+        super().__init__(backend, tokenizer=tokenizer, tools=list(tools), cfg=cfg,
+                         _by_close={t.close_tag: t for t in tools})
 
     def filter_void_turns(self, rollout: Rollout) -> tuple[Rollout, dict]:
         """SimpleTIR's filter with this backend's tokenizer and tools: ``rollout`` with the loss masks

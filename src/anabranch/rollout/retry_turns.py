@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from anabranch.config import ConfigError, RolloutConfig
-from anabranch.rollout.base import Rollout, cut_at_eos, left_padded, pad_id, right_padded
+from anabranch.rollout.base import BackendWrapper, Rollout, cut_at_eos, left_padded, pad_id, right_padded
 
 FEEDBACK = "Let's try again."
 _MARK = "\x1fATTEMPT\x1f"  # stands for the assistant's message when the template is rendered
@@ -68,32 +68,18 @@ def feedback_ids(tokenizer, use_template: bool, text: str = FEEDBACK) -> list[in
     return list(tokenizer(suffix, add_special_tokens=False)["input_ids"])
 
 
-class RetryTurnsBackend:
+class RetryTurnsBackend(BackendWrapper):
     """Up to ``rollout.retry_turns`` attempts per response over a backend that offers ``continue_ids``."""
+
+    KEY = "rollout.retry_turns"
+    SHARDED_REASON = "responses end at different attempts"
 
     def __init__(self, backend, tokenizer, cfg: RolloutConfig, answers: dict, use_template: bool = True,
                  check: Optional[Callable[[str, str], bool]] = None):
-        if not hasattr(backend, "continue_ids"):
-            raise ConfigError(f"rollout.retry_turns: the {type(backend).__name__} backend cannot continue a "
-                              "response after feedback (no continue_ids)")
         if check is None:
             from anabranch.rewards.math_answer import is_equivalent as check
-        self.__dict__["inner"] = backend  # set directly: __setattr__ forwards to the inner backend
-        self.__dict__.update(tokenizer=tokenizer, cfg=cfg, answers=dict(answers), check=check,
-                             eos_ids=list(backend.eos_ids), feedback=feedback_ids(tokenizer, use_template))
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
-
-    def __setattr__(self, name, value):
-        if name == "synced_gpus" and value:
-            raise ConfigError("rollout.retry_turns does not combine with sharded training (FSDP / ZeRO-3): "
-                              "responses end at different attempts, so the processes would run different numbers "
-                              "of generate calls while their forward passes must stay in step")
-        setattr(self.inner, name, value)
-
-    def sync_weights(self, model) -> None:
-        self.inner.sync_weights(model)
+        super().__init__(backend, tokenizer=tokenizer, cfg=cfg, answers=dict(answers), check=check,
+                         feedback=feedback_ids(tokenizer, use_template) if hasattr(backend, "continue_ids") else None)
 
     def _feedback_after(self, eos: int) -> list[int]:
         # The template's end-of-turn token is the EOS the policy just wrote: not written twice.
