@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from anabranch.config_algorithm_options import (AMPOConfig, DPHConfig, FDPGConfig, FlowRLConfig, GuideConfig,
-                                                HPTConfig, KDRLConfig, RLPlusConfig, ScaffoldConfig)
+                                                HPTConfig, KDRLConfig, RLPlusConfig, ScaffoldConfig, ScopeConfig)
+from anabranch.config_algorithm_options import CalibRLConfig
 
 
 @dataclass
@@ -176,6 +177,17 @@ class AlgorithmConfig:
     siren_peak_frac: float = 0.2
     siren_anchor: str = "initial"
     siren_anchor_decay: float = 0.9
+    # EPO's entropy smoothing (Xu et al. 2025, algorithms/epo.py): epo_coef × w_k × agg([epo_low·H̄ − H]₊ +
+    # [H − epo_high·H̄]₊), H each token's entropy (epo_mode=token) or each response's mean (seq), H̄ the mean
+    # batch entropy of the past steps (all, or the last epo_window); w_k the phase weight over epo_horizon
+    # steps (late decay rate epo_gamma; horizon 0: w = 1). 0 is off (the authors' code: band 0.8–1.2, 150, 3).
+    epo_coef: float = 0.0
+    epo_low: float = 0.8
+    epo_high: float = 1.2
+    epo_mode: str = "token"
+    epo_window: int = 0
+    epo_horizon: int = 0
+    epo_gamma: float = 3.0
     # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
     # rollout.prompts_per_step groups are kept, at most max_sample_batches generation rounds.
     dynamic_sampling: bool = False
@@ -217,7 +229,11 @@ class AlgorithmConfig:
     # AMPO (algorithms/ampo.py): all-fail groups get the teachers' correct solutions the student finds most
     # likely in place of num_replace samples, trained with LUFFY's shaped off-policy term (off by default).
     ampo: AMPOConfig = field(default_factory=AMPOConfig)
+    # SCOPE (algorithms/scope.py, trainer/scope_rollouts.py): failed samples rewritten by a rectifier model from the
+    # first step a PRM marks wrong; correct rewrites replace them (off by default).
+    scope: ScopeConfig = field(default_factory=ScopeConfig)
     rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
+    calibrl: CalibRLConfig = field(default_factory=CalibRLConfig)  # CalibRL (algorithms/calibrl.py)
     # KDRL (algorithms/kdrl.py): β·KL(π_θ ‖ teacher) on the student's own samples, beside the reference KL;
     # off while kdrl.teacher is empty.
     kdrl: KDRLConfig = field(default_factory=KDRLConfig)
@@ -249,6 +265,19 @@ class AlgorithmConfig:
     # (w = 1 on right retries only).
     rltf_sd_coef: float = 0.0
     rltf_sd_weighting: str = "advantage"
+    # RoRecomp (Li et al. 2025, arXiv 2509.25958; algorithms/rorecomp.py, trainer/rorecomp.py): each step trains the
+    # shortest rorecomp_fraction α of each group's correct and the longest α of its wrong responses (at least one
+    # each), plus a compensation batch of rorecomp_compensation_rows earlier remaining rows (0: one step's batch)
+    # once that many wait in a buffer of rorecomp_buffer_size rows (oldest dropped; rorecomp_max_age > 0 also drops
+    # rows older than that many steps). α in (0, 1); 0: off, no cost.
+    rorecomp_fraction: float = 0.0
+    rorecomp_compensation_rows: int = 0
+    rorecomp_buffer_size: int = 1024
+    rorecomp_max_age: int = 0
+    # PROF (Ye et al. 2025, arXiv 2509.03403; algorithms/prof.py): of each prompt's rollout.n samples keep m =
+    # prof_keep, the right ones with the highest and the wrong ones with the lowest mean PRM step score, as close to
+    # m/2 of each as the group allows; needs one `prm` reward (the PRM only filters, it adds no reward). 0: off.
+    prof_keep: int = 0
     # Truncated importance sampling cap C for rollouts from another engine (vLLM): each token's
     # advantage is scaled by min(π_old/π_sampler, C). 0 disables it (the mismatch is still logged).
     tis_cap: float = 0.0

@@ -148,6 +148,26 @@ class RLPlusConfig:
 
 
 @dataclass
+class CalibRLConfig:
+    """CalibRL (``algorithm.calibrl``; Huang et al. 2026, arXiv 2602.20197; algorithms/calibrl.py): the prompt's
+    expert solution is a baseline, not a target: L = L_RL + coef·agg(|Â|·LeakyReLU_α(−sign(Â)·(log π_θ(y_t) − b_t))),
+    b_t = log π_old(e_t) of the expert at position t (baseline=token, the authors' code) or its mean (mean)."""
+
+    # Turn CalibRL on (with any objective linear in the advantage; off: plain RL). One expert per prompt.
+    enabled: bool = False
+    # λ, weight of the guided term (the authors' code: 0.1).
+    coef: float = 0.1
+    # α, the LeakyReLU slope past the expert baseline, in [0, 1] (the authors' code: 0.5; 1: no moderation).
+    negative_slope: float = 0.5
+    # "token": the expert's log-prob at the same position (the authors' code); "mean": its mean token log-prob.
+    baseline: str = "token"
+    # As HPT's: the expert solution written from the row's answer when it has none (task.demonstration_column).
+    demonstration_template: str = "<answer>{answer}</answer>"
+    # Longest expert solution scored, in tokens (longer ones are cut, keeping their start; 0: no limit).
+    max_demonstration_tokens: int = 1024
+
+
+@dataclass
 class KDRLConfig:
     """KDRL (``algorithm.kdrl``; Xu et al. 2025, arXiv 2506.02208; algorithms/kdrl.py): GRPO plus
     β·KL(π_θ ‖ π_teacher) on the student's own samples, L_KD = β_s · agg(w_i · k2), k2 = ½(log π_θ − log π_T)²,
@@ -187,4 +207,27 @@ class AMPOConfig:
     # no-grad forward) or "order" (the column's order, no forward; an ablation).
     selection: str = "mean_logprob"
     # γ of the policy shaping f(p) = p / (p + γ) on the injected tokens (LUFFY's and the authors' 0.1).
+    shaping_gamma: float = 0.1
+
+
+@dataclass
+class ScopeConfig:
+    """SCOPE (``algorithm.scope``; Ren et al. 2026, arXiv 2602.24110; algorithms/scope.py, trainer/scope_rollouts.py):
+    a PRM finds the first wrong step of a failed sample; a rectifier model re-writes the response from there, and a
+    correct rewrite replaces the failed sample, its own prefix trained on-policy and the rectifier's tokens with
+    LUFFY's shaped off-policy term −f(π_θ)·Â, f(p) = p / (p + shaping_gamma)."""
+
+    # Turn SCOPE on (hf backend; loss ppo_clip or cispo; needs prm_path and rectifier).
+    enabled: bool = False
+    # Local Hugging Face PRM folder, scored as rewards/prm.py does (Math-Shepherd tags: step_tag "ки", "+"/"-").
+    prm_path: str = ""
+    # Local model folder of the off-policy rectifier (a stronger model sharing the policy's tokenizer).
+    rectifier: str = ""
+    # A step whose PRM score is below this is wrong; the first such step is where the rectifier takes over.
+    step_threshold: float = 0.5
+    # How a response is cut into steps (rewards/prm.py's split_steps).
+    step_delimiter: str = "\n\n"
+    # At most this many failed samples of a group are rewritten (those whose first wrong step comes latest).
+    max_per_group: int = 2
+    # γ of the policy shaping f(p) = p / (p + γ) on the rectifier's tokens (LUFFY's 0.1).
     shaping_gamma: float = 0.1

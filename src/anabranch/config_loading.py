@@ -346,11 +346,20 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.rltf_sd import check_rltf_sd_config
 
         check_rltf_sd_config(cfg)
+    if cfg.algorithm.prof_keep != 0:  # PROF (algorithms/prof.py): 2 <= m < n, its `prm` source, no rebuilt groups
+        from anabranch.algorithms.prof import check_config as check_prof
+
+        check_prof(cfg)
     if cfg.reward.prm_shaping != "none" or any(getattr(f, "name", None) == "prm" for f in cfg.reward.functions):
         # PRM-Clip/Delta (algorithms/prm_shaping.py): its `prm` source, a token-level estimator, no rebuilt rollouts
         from anabranch.algorithms.prm_shaping import check_config as check_prm_shaping
 
         check_prm_shaping(cfg)
+    if any(getattr(f, "name", None) == "rlsp_exploration" for f in cfg.reward.functions):
+        # RLSP's exploration reward (rewards/exploration.py): its options, its weight below the verifier's
+        from anabranch.rewards.exploration import check_config as check_exploration
+
+        check_exploration(cfg)
     if cfg.rollout.extra_rollouts == "dars":  # refused combinations (prompt pairing, group-level rewards)
         from anabranch.trainer.extra_rollouts import check_config as check_extra_rollouts
 
@@ -359,6 +368,10 @@ def validate(cfg: Config) -> None:
         from anabranch.trainer.cure_rollouts import check_config as check_cure
 
         check_cure(cfg)
+    if cfg.algorithm.rorecomp_fraction != 0:  # RoRecomp (trainer/rorecomp.py): key ranges, rollout.n, refused methods
+        from anabranch.trainer.rorecomp import check_config as check_rorecomp
+
+        check_rorecomp(cfg)
     if cfg.algorithm.guide.enabled:  # Guide (algorithms/guide.py): backend, tools and pairing it cannot take
         from anabranch.algorithms.guide import check_run as check_guide_run
 
@@ -371,6 +384,14 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.ampo import check_run as check_ampo_run
 
         check_ampo_run(cfg)
+    if cfg.algorithm.scope.enabled:  # SCOPE (algorithms/scope.py): backend, tools, PRM shaping it cannot take; folders
+        from anabranch.algorithms.scope import check_run as check_scope_run
+
+        check_scope_run(cfg)
+    if cfg.algorithm.calibrl != type(cfg.algorithm.calibrl)():  # CalibRL (algorithms/calibrl.py): keys, knobs set
+        from anabranch.algorithms.calibrl import check_run as check_calibrl_run  # while off, rollout.n, tools
+
+        check_calibrl_run(cfg)
     if cfg.algorithm.dynamic_sampling_filter == "std" and cfg.algorithm.dynamic_sampling_metric == "accuracy":
         # RLPR's filter measures the spread of the reward; on the right/wrong flags it measures p̂(1−p̂).
         from anabranch.rewards.guard import warn
@@ -412,6 +433,11 @@ _GATED = [
      "algorithm.siren_coef > 0"),
     ("algorithm", ("siren_anchor_decay",), lambda c: c.algorithm.siren_coef > 0 and c.algorithm.siren_anchor == "ema",
      "algorithm.siren_coef > 0 and algorithm.siren_anchor=ema"),
+    # EPO's smoothing (algorithms/epo.py): its band and history act only when on, the decay rate only with a schedule.
+    ("algorithm", ("epo_low", "epo_high", "epo_mode", "epo_window", "epo_horizon"), lambda c: c.algorithm.epo_coef > 0,
+     "algorithm.epo_coef > 0"),
+    ("algorithm", ("epo_gamma",), lambda c: c.algorithm.epo_coef > 0 and c.algorithm.epo_horizon > 0,
+     "algorithm.epo_coef > 0 and algorithm.epo_horizon > 0"),
     ("rollout", ("dars_schedule", "dars_max_extra", "dars_threshold"), lambda c: c.rollout.extra_rollouts == "dars",
      "rollout.extra_rollouts=dars"),
     ("rollout", ("cure_originals", "cure_branches", "cure_top_k", "cure_selection", "cure_min_token_chars", "cure_steps"),
@@ -428,6 +454,9 @@ _GATED = [
      lambda c: c.algorithm.spae_coef > 0, "algorithm.spae_coef > 0"),
     # RLTF-SD (algorithms/rltf_sd.py): its weighting acts only with a positive coefficient.
     ("algorithm", ("rltf_sd_weighting",), lambda c: c.algorithm.rltf_sd_coef > 0, "algorithm.rltf_sd_coef > 0"),
+    # RoRecomp (trainer/rorecomp.py): its buffer knobs act only while it is on.
+    ("algorithm", ("rorecomp_compensation_rows", "rorecomp_buffer_size", "rorecomp_max_age"),
+     lambda c: c.algorithm.rorecomp_fraction > 0, "algorithm.rorecomp_fraction > 0"),
     # Low-likelihood curation (trainer/curation.py): its pre-pass knobs act only when it is on.
     ("task", ("curation_min_rate", "curation_max_rate", "curation_samples", "curation_prompts"),
      lambda c: c.task.curation != "none", "task.curation=low_likelihood"),
@@ -446,6 +475,11 @@ def _refuse_inactive(cfg: Config) -> None:
         from anabranch.algorithms.ampo import inactive_knob
 
         if (error := inactive_knob(cfg.algorithm.ampo)) is not None:
+            raise ConfigError(error)
+    if cfg.algorithm.scope != type(cfg.algorithm.scope)():  # SCOPE's nested section, as AMPO's
+        from anabranch.algorithms.scope import inactive_knob as scope_inactive_knob
+
+        if (error := scope_inactive_knob(cfg.algorithm.scope)) is not None:
             raise ConfigError(error)
     for section, keys, active, turn_on in _GATED:
         if active(cfg):

@@ -79,9 +79,10 @@ def check_config(cfg) -> None:
     if shaping not in MODES:
         raise ConfigError(f"config key 'reward.prm_shaping' must be one of {', '.join(MODES)} (got {shaping!r})")
     if shaping == "none":
-        if prms:
+        if prms and not cfg.algorithm.prof_keep:  # PROF (algorithms/prof.py) uses the scores as a filter
             raise ConfigError("reward.functions has 'prm' but reward.prm_shaping=none: the PRM's step scores would "
-                              "be computed and never used; set reward.prm_shaping=clip|delta|clip_delta")
+                              "be computed and never used; set reward.prm_shaping=clip|delta|clip_delta, or "
+                              "algorithm.prof_keep=m to filter samples with them (PROF)")
         return
     if len(prms) != 1:
         raise ConfigError(f"reward.prm_shaping={shaping} needs exactly one 'prm' entry in reward.functions "

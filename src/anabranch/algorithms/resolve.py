@@ -12,6 +12,7 @@ from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.siren import build_siren, check_siren
+from anabranch.algorithms.epo import build_epo, check_epo
 from anabranch.algorithms.trloo import trloo_inputs
 from anabranch.config import AlgorithmConfig, ConfigError
 
@@ -43,6 +44,9 @@ class Algorithm:
     # SIREN's anchor (algorithms/siren.py): None unless algorithm.siren_coef > 0; read by trainer/step.py,
     # saved in checkpoints by trainer/loop.py.
     siren: object = None
+    # EPO's entropy history (algorithms/epo.py): None unless algorithm.epo_coef > 0; read by trainer/step.py,
+    # saved in checkpoints by trainer/loop.py.
+    epo: object = None
     # The objective's ``precompute`` hook (registries.py): batch-wide per-row inputs, computed once per update
     # by trainer/step.py; None for every objective but those that register one (ReasonMaxxer).
     precompute: Callable | None = None
@@ -125,6 +129,7 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
                      aux_losses=aux, er_shaping=build_er_shaping(cfg), siren=build_siren(cfg),
+                     epo=build_epo(cfg),
                      precompute=obj_meta.get("precompute"),
                      advantage_inputs=trloo_inputs(cfg),  # TRLOO's per-attempt grades from the rollout
                      # Lp-Reg's selection is per micro-batch, which leaving rows out would change; KDRL's
@@ -132,6 +137,8 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
                      # SIREN's entropy term (algorithms/siren.py) too, and its per-micro-batch mean.
                      inert_at_zero_advantage=bool(obj_meta.get("inert_at_zero_advantage")) and cfg.lp_reg_coef == 0
                      and not kdrl_on(cfg) and cfg.siren_coef == 0
+                     # EPO's band penalty (algorithms/epo.py) acts on the entropy of rows whose Â is 0.
+                     and cfg.epo_coef == 0
                      # SRPO's distillation (algorithms/srpo.py) trains the failed rows, whose advantage it zeroes.
                      and cfg.srpo_coef == 0)
 
@@ -272,6 +279,11 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
 
+    # EPO's smoothing keys (algorithms/epo.py).
+    error = check_epo(cfg)
+    if error:
+        raise ConfigError(error)
+
     # DPH-RL's rehearsal options (algorithms/dph.py); any algorithm may add the rehearsal term.
     from anabranch.algorithms.dph import check_dph
 
@@ -311,6 +323,20 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
 
     error = check_ampo(cfg)
     if error:
+        raise ConfigError(error)
+
+    # SCOPE's step-wise rewrites of failed samples (algorithms/scope.py): its keys (refused while it is off),
+    # the losses it supports and the methods that act on the same samples.
+    from anabranch.algorithms.scope import check_scope
+
+    error = check_scope(cfg)
+    if error:
+        raise ConfigError(error)
+
+    # CalibRL's expert-baseline term (algorithms/calibrl.py): its keys, a loss linear in Â, no other expert method.
+    from anabranch.algorithms.calibrl import check_calibrl
+
+    if (error := check_calibrl(cfg)) is not None:
         raise ConfigError(error)
 
     # RL-PLUS's external term (algorithms/rl_plus.py): needs a policy-gradient advantage, not with HPT.

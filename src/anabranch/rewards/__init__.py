@@ -8,6 +8,7 @@ from anabranch.rewards import label_refinement  # noqa: F401,E402 - OLR (registr
 from anabranch.rewards import laser  # noqa: F401,E402 - LASER / LASER-D (registration)
 from anabranch.rewards import retry_reward  # noqa: F401,E402 - UFO's retry_turns reward (registration)
 from anabranch.rewards import prm  # noqa: F401,E402 - process reward model for PRM-Clip/Delta (registration)
+from anabranch.rewards import exploration  # noqa: F401,E402 - RLSP's exploration reward (registration)
 from anabranch.rewards.compose import RewardSource, Scored, build_rewards, score, score_detailed
 from anabranch.rewards.guard import RewardError, RewardOutput
 from anabranch.rewards.registry import REWARDS

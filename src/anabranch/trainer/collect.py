@@ -96,6 +96,10 @@ def score_rollout(c, rollout: Rollout, rows: list, cfg, step: int | None = None,
         from anabranch.algorithms.prm_shaping import attach
 
         scored.metrics.update(attach(sources, cfg.reward, rollout, extra))
+        if cfg.algorithm.prof_keep:  # PROF ranks rows by their mean step score (algorithms/prof.py; no reward)
+            from anabranch.algorithms.prof import KEY, process_means
+
+            per_source = {**per_source, KEY: process_means(extra["prm_step_scores"])}
     a = cfg.algorithm
     if a.overlong_buffer > 0:
         pen = overlong_penalty(rollout.response_lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
@@ -117,6 +121,10 @@ def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int 
         from anabranch.trainer.extra_rollouts import top_up  # lazy: that module builds on this one
 
         batch = top_up(c, batch, idx, cfg, step, round_, dist)
+    if cfg.algorithm.prof_keep:  # PROF (algorithms/prof.py): m of each prompt's n samples, before any group filter
+        from anabranch.algorithms.prof import prof_filter
+
+        batch = prof_filter(batch, c.rewards, cfg.algorithm.prof_keep)
     commit_reward_states(c.rewards, dist)  # OLR's visits, LASER-D's window: training rollouts only
     return batch
 

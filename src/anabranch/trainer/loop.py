@@ -38,13 +38,16 @@ from anabranch.trainer.hpt_step import HPT, combine_extra_losses
 from anabranch.trainer.guide_step import Guide
 from anabranch.trainer.scaffold_step import Scaffold
 from anabranch.trainer.ampo_step import AMPO
+from anabranch.trainer.scope_rollouts import Scope
 from anabranch.trainer.rl_plus_step import RLPlus
+from anabranch.trainer.calibrl_step import CalibRL
 from anabranch.trainer.rltf_sd_step import RLTFSD
 from anabranch.trainer.kdrl_step import KDRL
 from anabranch.trainer.srpo_step import SRPO
 from anabranch.trainer.spae_step import SPAE, check_spae_run
 from anabranch.trainer.ref_reset import RefReset, check_ref_reset
 from anabranch.trainer.resume import Checkpointer
+from anabranch.trainer.rorecomp import RoRecomp
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.curriculum import build_sampler
 from anabranch.trainer.mixture_step import mixture_step
@@ -100,7 +103,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     guide = Guide.create(cfg, dist, c)  # Guide (trainer/guide_step.py): None unless algorithm.guide.enabled
     scaffold = Scaffold.create(cfg, dist, c)  # GHPO (trainer/scaffold_step.py): None unless algorithm.scaffold.enabled
     ampo = AMPO.create(cfg, dist, c)  # AMPO (trainer/ampo_step.py): None unless algorithm.ampo.enabled
+    scope = Scope.create(cfg, dist, c)  # SCOPE (trainer/scope_rollouts.py): None unless algorithm.scope.enabled
     rl_plus = RLPlus.create(cfg, dist, c)  # RL-PLUS (trainer/rl_plus_step.py): None unless algorithm.rl_plus.enabled
+    calibrl = CalibRL.create(cfg, dist, c)  # CalibRL (trainer/calibrl_step.py): None unless algorithm.calibrl.enabled
     kdrl = KDRL.create(cfg, dist, c)  # KDRL (trainer/kdrl_step.py): None unless algorithm.kdrl.teacher
     srpo = SRPO.create(cfg, dist, c)  # SRPO (trainer/srpo_step.py): None unless algorithm.srpo_coef > 0
     spae = SPAE.create(cfg, dist, c)  # SPAE (trainer/spae_step.py): None unless algorithm.spae_coef > 0
@@ -118,6 +123,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     std_filter = build_std_filter(cfg.algorithm)  # RLPR's std filter (None unless dynamic_sampling_filter=std)
     mssr_tracker = attach_mssr(c.algo, dist.active)  # MSSR's per-prompt baseline (None unless advantage=mssr)
     ref_reset = RefReset.create(cfg, dist, c)  # ProRL (trainer/ref_reset.py): None unless algorithm.ref_reset_every
+    rorecomp = RoRecomp.create(cfg, dist, c)  # RoRecomp (trainer/rorecomp.py): None unless algorithm.rorecomp_fraction
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -145,10 +151,13 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                   **({"std_filter": std_filter} if std_filter is not None else {}),
                                   **({"mssr_tracker": mssr_tracker} if mssr_tracker is not None else {}),
                                   **({"ref_reset": ref_reset} if ref_reset is not None else {}),
+                                  **({"rorecomp": rorecomp} if rorecomp is not None else {}),  # its replay buffer
                                   # ER/ERV/ERA shaping's EMA baselines (algorithms/er_shaping.py)
                                   **({"er_shaping": c.algo.er_shaping} if c.algo.er_shaping is not None else {}),
                                   # SIREN's entropy anchor (algorithms/siren.py)
                                   **({"siren": c.algo.siren} if c.algo.siren is not None else {}),
+                                  # EPO's entropy history (algorithms/epo.py)
+                                  **({"epo": c.algo.epo} if c.algo.epo is not None else {}),
                                   **reward_states(c.rewards)},  # stateful rewards (OLR's label histories)
                         dist=dist)
     start = ckpt.restore()  # 0 unless trainer.resume found a checkpoint
@@ -193,6 +202,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             if ampo is not None:
                 parts.append((ampo, ampo.step(c, batch, micro_tokens)))
                 batch = parts[-1][1].batch
+            if scope is not None:  # SCOPE: failed samples rewritten from their first PRM-wrong step, in place
+                parts.append((scope, scope.step(c, batch)))
+                batch = parts[-1][1].batch
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
@@ -220,6 +232,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # RL-PLUS: each prompt's demonstration, its advantage and π_old, before the update changes the policy
             if rl_plus is not None:
                 parts.append((rl_plus, rl_plus.step(batch, train_rollout, c.model)))
+            # CalibRL: each prompt's expert solution scored by π_old, its per-token baseline for the update
+            if calibrl is not None:
+                parts.append((calibrl, calibrl.step(batch, train_rollout, c.model)))
             # RLTF-SD: the retries (attempt k >= 2) of the scored episodes, to train after the prompt alone
             if rltf_sd is not None:
                 parts.append((rltf_sd, rltf_sd.step(rollout)))
@@ -235,13 +250,17 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             precomputed = with_dsdr(adv.precomputed, dsdr_weight)
             for _, part in parts:  # each method's own keys (KDRL, SRPO, Guide's π_old, AMPO's rows)
                 precomputed = part.precomputed(precomputed) if hasattr(part, "precomputed") else precomputed
+            update_rewards = rewards
+            if rorecomp is not None:  # RoRecomp: the priority rows (+ a due compensation batch) train; the rest wait
+                train_rollout, advantages, precomputed, update_rewards = rorecomp.step(
+                    batch, train_rollout, advantages, precomputed, rewards, step)
             # Extra loss terms (DPH-RL, HPT, RL-PLUS, RLTF-SD): under DDP every rank builds each, as they all-reduce
             extra_loss = combine_extra_losses(
                 None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
                 *(part.extra_loss(method, dist.policy(c.model), dist.active)
                   for method, part in parts if hasattr(part, "extra_loss")))
             metrics = policy_update(
-                dist.policy(c.model), c.optimizer, train_rollout, advantages, rewards, c.algo,
+                dist.policy(c.model), c.optimizer, train_rollout, advantages, update_rewards, c.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
                 ref_model=c.ref_model, modules=c.modules, kl_coef=adv.kl_coef,

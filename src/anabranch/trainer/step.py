@@ -28,6 +28,8 @@ from anabranch.algorithms.rover import response_vocab_mean
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.guide import behaviour_old_log_prob
 from anabranch.algorithms.ampo import ampo_objective
+from anabranch.algorithms.scope import scope_objective
+from anabranch.algorithms.calibrl import calibrl_loss
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
@@ -155,13 +157,21 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     guide_lp, guide_rows = pre.get("guide_behaviour_log_prob"), pre.get("guide_rows")
     # AMPO (algorithms/ampo.py, trainer/ampo_step.py): the injected teacher rows, trained with the shaped term.
     ampo_rows = pre.get("ampo_rows")
+    # SCOPE (algorithms/scope.py, trainer/scope_rollouts.py): [B, R] the rectifier's tokens, trained with the shaped term.
+    scope_off = pre.get("scope_off_tokens")
+    # CalibRL (algorithms/calibrl.py, trainer/calibrl_step.py): each row's expert baseline b_t ([B, T]).
+    calib_b = pre.get("calibrl_baseline")
     if kd_lp is not None:
         kd_lp, kd_w = kd_lp.to(device), kd_w.to(device)
     # SRPO (algorithms/srpo.py, trainer/srpo_step.py): the self-teacher's log-probs and each token's β·ω (failed rows).
     sr_lp, sr_w = pre.get("srpo_teacher_log_prob"), pre.get("srpo_weight")
     if sr_lp is not None:
         sr_lp, sr_w = sr_lp.to(device), sr_w.to(device)
-    entropy_grad = cfg.entropy_coef != 0 or "entropy" in algo.needs or dsdr_w is not None
+    # EPO (algorithms/epo.py): the token entropy held in a band around its historical mean (the pass is made here,
+    # before entropy_grad: its penalty needs the entropy's gradient once there is a history).
+    epo_pass = None if getattr(algo, "epo", None) is None else algo.epo.begin()
+    entropy_grad = (cfg.entropy_coef != 0 or "entropy" in algo.needs or dsdr_w is not None
+                    or (epo_pass is not None and epo_pass.active))
     lp_reg = (cfg.lp_reg_kappa, cfg.lp_reg_tau) if cfg.lp_reg_coef > 0 else None  # Lp-Reg's proxy, only when on
     # ER/ERV/ERA shaping (algorithms/er_shaping.py): each row's bonus from its first forward of this update.
     er_state = getattr(algo, "er_shaping", None)
@@ -225,7 +235,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     adv = er_pass.shape(adv, fo.hidden, m, mb.rows, rollout.prompt_ids.shape[1])
                 adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
                 metrics.update(mismatch)
-                if ampo_rows is None:
+                if scope_off is not None:  # SCOPE: the objective on on-policy tokens, −f(π_θ)·Â on the rectifier's
+                    loss, obj_metrics = scope_objective(algo.objective, fo.log_probs, old, adv, m, ctx,
+                                                        scope_off[mb.rows], cfg.scope.shaping_gamma, agg)
+                elif ampo_rows is None:
                     loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
                 else:  # AMPO: the objective on the on-policy rows, −f(π_θ)·Â on the injected teacher rows
                     loss, obj_metrics = ampo_objective(algo.objective, fo.log_probs, old, adv, m, ctx,
@@ -247,6 +260,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     sd, sd_metrics = distill_loss(fo.log_probs, sr_lp[sl], m, sr_w[sl], agg)
                     loss = loss + sd
                     metrics.update(sd_metrics)
+                if calib_b is not None:  # CalibRL: |Â|·LeakyReLU_α(−sign(Â)(log π_θ − b)) beside the RL loss
+                    cr = cfg.calibrl
+                    cl, cl_metrics = calibrl_loss(fo.log_probs, calib_b[mb.rows].to(device), adv, m, cr.coef,
+                                                  cr.negative_slope, agg)
+                    loss = loss + cl
+                    metrics.update(cl_metrics)
                 if lp_reg is not None:  # Lp-Reg (algorithms/lp_reg.py): protect the low-probability sparks
                     lp_loss, lp_metrics = lp_reg_loss(fo.log_probs, fo.proxy_log_prob, adv, m, cfg, agg)
                     loss = loss + lp_loss
@@ -255,6 +274,10 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     siren_loss, siren_metrics = siren_pass.loss(fo.top_p_entropy, m, mb.rows)
                     loss = loss + siren_loss
                     metrics.update(siren_metrics)
+                if epo_pass is not None:  # EPO: entropy outside its historical band penalized
+                    epo_loss, epo_metrics = epo_pass.loss(fo.entropy, m, mb.rows, agg)
+                    loss = loss + epo_loss
+                    metrics.update(epo_metrics)
                 if cfg.entropy_coef != 0:
                     loss = loss - cfg.entropy_coef * agg(fo.entropy, m)
                 if dsdr_w is not None:  # DSDR: length-invariant entropy of correct responses only
@@ -336,6 +359,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         out.update(er_pass.finish(dist))
     if siren_pass is not None:  # the first step's batch value (global under DDP) sets SIREN's anchor
         out.update(siren_pass.finish(dist))
+    if epo_pass is not None:  # the step's batch entropy (global under DDP) joins EPO's history
+        out.update(epo_pass.finish(dist))
     if inert is not None:  # sequences without a share in the gradient (Â = 0 everywhere, or no loss token)
         out["update/zero_advantage_frac"] = inert.float().mean().item()
     out["micro_batches"] = float(len(passes))  # per pass over the batch (trainer.micro_batch_tokens / _size)

@@ -1,0 +1,191 @@
+"""SCOPE: failed samples rewritten from the first step a process reward model marks wrong (``algorithm.scope``).
+
+Ren, Zhang, Xiao, Zhang, Huang, Qiu, Yu, Chen, Liu 2026, "Recycling Failures: Salvaging Exploration in
+RLVR via Fine-Grained Off-Policy Guidance" (arXiv 2602.24110), SCOPE = Step-wise Correction for On-Policy
+Exploration. For a failed sample o = (s_1, ..., s_K) of prompt q (its steps split at ``step_delimiter``),
+a PRM scores every step, PRM_k ∈ [0, 1], and
+
+    k*     = min{k : PRM_k < τ}                                  τ = ``step_threshold`` (1-based k)
+    prefix = s_1 ⊕ ... ⊕ s_{k*−1}    (the policy's own tokens up to the end of the last step before k*)
+    c      ~ π_rect(· | q ⊕ prefix)   (the off-policy rectifier's continuation)
+    õ      = prefix ⊕ c
+
+and õ, when the run's reward judges it correct, replaces o in its group. Advantages are then computed
+over the group as usual (GRPO's mean/std, ...), and the update trains õ's tokens
+
+    prefix tokens  (on-policy, sampled by π_old):   the run's objective, e.g. PPO-clip of r_t = π_θ / π_old
+    c's tokens     (off-policy, sampled by π_rect): −f(π_θ(c_t | ·))·Â,   f(p) = p / (p + γ),  γ = ``shaping_gamma``
+
+The second line is LUFFY's regularized importance sampling (Yan et al. 2025, "Learning to Reason under
+Off-Policy Guidance", arXiv 2504.14945), the off-policy term this library already trains AMPO's teacher rows
+with (algorithms/ampo.py): the ratio π_θ / π_rect with π_rect taken as 1, reshaped by f so that
+low-probability guidance tokens keep a large gradient (∂f/∂log p = pγ/(p + γ)²), unclipped.
+
+*Confirmed* (the paper's abstract; its method text and code were not readable here): a PRM pinpoints the
+first erroneous step of suboptimal (failed) rollouts; the correction is step-wise and off-policy; it keeps
+the policy's own largely-correct prefix instead of replacing the whole trajectory (which the abstract
+contrasts with prior whole-trajectory off-policy guidance, i.e. LUFFY-style replacement).
+*Assumed* (docs/algorithms.md lists these): the rectifier is a separate, stronger model sharing the
+policy's tokenizer (``rectifier``) that continues from the prefix with no hint; the first wrong step is the
+first step scored below τ = 0.5; a failed sample whose *first* step is wrong has no prefix to salvage and
+one with no step below τ has no located error, so neither is rewritten; at most ``max_per_group`` failed
+samples per group are rewritten, those whose first wrong step comes latest (the largest share of the
+response kept); only a rewrite the reward judges correct replaces its failed sample (the batch keeps its
+size); the prefix tokens are trained as on-policy tokens of the rewritten row (the failed row they came from
+is gone, so they are trained once); the off-policy term is LUFFY's f with γ = 0.1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from anabranch.algorithms.ampo import off_policy_loss_mat, shaped_prob
+
+# Token-level ratio losses: the rectified row's prefix takes the run's objective token by token, its
+# continuation the shaped term; a sequence-level ratio (GSPO) would mix the two inside one weight.
+SCOPE_LOSSES = ("ppo_clip", "cispo")
+KNOBS = ("prm_path", "rectifier", "step_threshold", "step_delimiter", "max_per_group", "shaping_gamma")
+
+
+def first_wrong_step(scores: list[float], threshold: float) -> int | None:
+    """0-based index of the first step whose PRM score is below ``threshold``; None when none is."""
+    for k, s in enumerate(scores):
+        if float(s) < threshold:
+            return k
+    return None
+
+
+def prefix_length(step_ends: list[int], wrong: int | None) -> int | None:
+    """How many response tokens the rectified row keeps: through the end of step ``wrong − 1`` (``step_ends``:
+    each step's last response column, rewards/prm.py's step_end_tokens). None when there is nothing to
+    rewrite from: no wrong step located, or the first step is wrong (an empty prefix is whole-trajectory
+    replacement, not a step-wise correction)."""
+    if wrong is None or wrong == 0 or wrong > len(step_ends):
+        return None
+    return int(step_ends[wrong - 1]) + 1
+
+
+def scope_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off_tokens: torch.Tensor,
+                    gamma: float, agg):
+    """The micro-batch's loss: the run's ``objective`` on the on-policy tokens plus agg(−f(π_θ)·Â) on the
+    rectifier's tokens (``off_tokens``: [b, R] bool); metrics with ``scope/shaped_prob`` (mean f over the
+    rectifier's tokens of the micro-batch, 0 without any)."""
+    off = off_tokens.to(mask.device).bool()
+    on_mask, off_mask = mask * (~off).to(mask.dtype), mask * off.to(mask.dtype)
+    loss, metrics = objective(log_prob, old_log_prob, advantage, on_mask, ctx)
+    shaped = 0.0
+    if bool(off_mask.any()):
+        loss = loss + agg(off_policy_loss_mat(log_prob, advantage, gamma), off_mask)
+        with torch.no_grad():
+            f = shaped_prob(log_prob.detach(), gamma)
+            shaped = float((f * off_mask).sum() / off_mask.sum().clamp(min=1))
+    # The key on every micro-batch of every rank (DDP's metric all-reduce needs the same keys everywhere).
+    return loss, {**metrics, "scope/shaped_prob": shaped}
+
+
+def inactive_knob(s) -> str | None:
+    """The refusal of an ``algorithm.scope`` knob set while SCOPE is off (it would do nothing), or None."""
+    from anabranch.config_algorithm_options import ScopeConfig
+
+    if s.enabled:
+        return None
+    default = ScopeConfig()
+    for key in KNOBS:
+        if getattr(s, key) != getattr(default, key):
+            return (f"config key 'algorithm.scope.{key}' has no effect unless algorithm.scope.enabled=true "
+                    f"(got {getattr(s, key)!r}); set algorithm.scope.enabled=true or leave it at its default")
+    return None
+
+
+def check_scope(cfg) -> str | None:
+    """The first problem with ``cfg.scope`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
+    algorithm config, or None (config load and resolve_algorithm, for configs built in code)."""
+    s, num = cfg.scope, (int, float)
+    checks = [
+        (isinstance(s.enabled, bool), "enabled", "must be true or false"),
+        (isinstance(s.step_threshold, num) and not isinstance(s.step_threshold, bool)
+         and 0.0 < s.step_threshold <= 1.0, "step_threshold", "must be a number in (0, 1] (PRM scores are in [0, 1])"),
+        (isinstance(s.step_delimiter, str) and s.step_delimiter != "", "step_delimiter", "must be a non-empty string"),
+        (isinstance(s.max_per_group, int) and not isinstance(s.max_per_group, bool) and s.max_per_group >= 1,
+         "max_per_group", "must be an integer >= 1 (failed samples of a group rewritten)"),
+        (isinstance(s.shaping_gamma, num) and not isinstance(s.shaping_gamma, bool)
+         and math.isfinite(s.shaping_gamma) and s.shaping_gamma > 0, "shaping_gamma",
+         "must be a finite number > 0 (γ of the policy shaping f(p) = p / (p + γ))"),
+    ]
+    for ok, key, why in checks:
+        if not ok:
+            return f"algorithm.scope.{key} {why} (got {getattr(s, key)!r})"
+    if not s.enabled:
+        return inactive_knob(s)
+    if not s.prm_path or not s.rectifier:
+        return ("algorithm.scope.enabled needs algorithm.scope.prm_path (a local PRM folder) and "
+                "algorithm.scope.rectifier (a local model folder sharing the policy's tokenizer)")
+    if cfg.loss not in SCOPE_LOSSES:
+        return (f"algorithm.scope.enabled: a rectified row trains its prefix with the token-level ratio objective and "
+                f"the rectifier's tokens with their own shaped term, implemented for loss {', '.join(SCOPE_LOSSES)}, "
+                f"not loss={cfg.loss!r}; set algorithm.scope.enabled=false or algorithm.loss=ppo_clip")
+    if cfg.advantage == "mssr":
+        return ("algorithm.scope.enabled with algorithm.advantage='mssr': MSSR's per-prompt success tracker would count "
+                "the rectifier's rewrites as the prompt's own successes; use a group estimator (grpo, rloo, ...)")
+    if cfg.srpo_coef > 0:
+        return ("algorithm.scope.enabled with algorithm.srpo_coef > 0: SRPO would take a rewrite as the failed rows' "
+                "correct sibling; set algorithm.srpo_coef=0 or algorithm.scope.enabled=false")
+    for other, on in (("ampo", cfg.ampo.enabled), ("guide", cfg.guide.enabled), ("scaffold", cfg.scaffold.enabled),
+                      ("hpt", cfg.hpt.enabled), ("rl_plus", cfg.rl_plus.enabled)):
+        if on:
+            return (f"algorithm.scope.enabled with algorithm.{other}.enabled: both rewrite or add off-policy guidance "
+                    "for the samples the policy fails; turn one of them off")
+    return None
+
+
+def run_problem(cfg) -> str | None:
+    """The first whole-config combination SCOPE cannot take (``cfg``: the whole Config, SCOPE on), or None.
+    Checked at config load (:func:`check_run`) and again by trainer/scope_rollouts.py's Scope.create."""
+    s, r, why = cfg.algorithm.scope, cfg.rollout, None
+    if isinstance(s.max_per_group, int) and s.max_per_group >= r.n:
+        return (f"algorithm.scope.max_per_group={s.max_per_group} must be less than rollout.n={r.n}: a group whose "
+                "every sample is rewritten correct has all advantages 0; lower it or raise rollout.n")
+    if r.backend != "hf":
+        why = (f"rollout.backend={r.backend!r}: its samples carry the engine's log-probs, the rectifier's tokens none, "
+               "and SCOPE is implemented and tested with the hf backend only; set rollout.backend=hf")
+    elif r.tools:
+        why = "rollout.tools: a response with tool outputs is not the policy's contiguous steps; leave rollout.tools empty"
+    elif r.retry_turns >= 2:
+        why = "rollout.retry_turns: a multi-attempt episode has no single step sequence to cut; set rollout.retry_turns=0"
+    elif r.extra_rollouts == "cure":
+        why = ("rollout.extra_rollouts=cure: CURE's branch rows hold an untrained prefix (loss_mask 0) that a rewrite "
+               "would inherit; set rollout.extra_rollouts=none")
+    elif r.temperature_schedule != "constant":
+        why = (f"rollout.temperature_schedule={r.temperature_schedule!r}: the rectifier's tokens have no sampler "
+               "log-probs at the scheduled temperature; set rollout.temperature_schedule=constant")
+    elif cfg.reward.prm_shaping != "none":
+        why = (f"reward.prm_shaping={cfg.reward.prm_shaping}: the PRM step rewards would be put on the rectifier's "
+               "tokens too; set reward.prm_shaping=none (SCOPE runs its own PRM, algorithm.scope.prm_path)")
+    elif cfg.task.pairing:
+        why = "task.pairing: prompt pairing trains fixed (q+, q−) groups of their own samples; set task.pairing=false"
+    elif cfg.task.curriculum != "none":
+        why = (f"task.curriculum={cfg.task.curriculum!r}: the curriculum reads each source's mean |advantage|, which "
+               "the rewrites change on exactly the prompts the policy fails; set task.curriculum=none")
+    if why is None:
+        return None
+    return f"algorithm.scope.enabled cannot be used with {why}, or set algorithm.scope.enabled=false"
+
+
+def check_run(cfg) -> None:
+    """At config load (config_loading.validate): the key checks and :func:`run_problem`, and that both model
+    folders exist (nothing is downloaded), before any model loads."""
+    import os
+
+    from anabranch.config import ConfigError
+
+    s = cfg.algorithm.scope
+    if not s.enabled:
+        return
+    if error := check_scope(cfg.algorithm) or run_problem(cfg):
+        raise ConfigError(error)
+    for key in ("prm_path", "rectifier"):
+        if not os.path.isdir(os.path.expanduser(str(getattr(s, key)))):
+            raise ConfigError(f"algorithm.scope.{key}={getattr(s, key)!r} is not an existing folder (a local Hugging "
+                              "Face model: config, weights and tokenizer; nothing is downloaded)")

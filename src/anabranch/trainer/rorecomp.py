@@ -1,0 +1,268 @@
+"""RoRecomp in the training loop: which rows a step trains, and the compensation replay buffer.
+
+RoRecomp (Li et al. 2025, arXiv 2509.25958; the split rule and what is confirmed vs assumed are in
+algorithms/rorecomp.py) is on when ``algorithm.rorecomp_fraction`` α > 0. After the step's advantages
+are computed on the whole batch (every group's baseline sees all n samples), each step trains
+
+    the priority rows of this step's batch   (shortest-correct + longest-wrong of each group)
+  ∪ a compensation batch, when one is due     (remaining rows of earlier steps, from the buffer)
+
+in one update; the step's other rows enter the buffer. Buffer policy (**assumed**, the paper's
+method text was not available):
+
+* what enters: the non-priority rows whose advantage is non-zero on a trained token (a row with no
+  advantage carries no policy-gradient signal), with their own step's advantages and precomputed
+  tensors (π_old and π_ref log-probs, values): a replayed row is trained as an off-policy sample of
+  its step, the ratio π_θ/π_old clipped by the loss as any stale row;
+* age: with ``rorecomp_max_age`` A > 0 a row born at step s is dropped at step s + A + 1 untrained;
+* compensation: at the start of a step, when at least ``rorecomp_compensation_rows`` K rows wait
+  (0: K = prompts_per_step × n, one step's batch), the K oldest leave the buffer and train in this
+  step; rows of the current step never replay in the step that sampled them;
+* cap: after the step's rows enter, the oldest rows beyond ``rorecomp_buffer_size`` are dropped.
+
+Checkpoint/resume: the buffer is stateful ``rorecomp`` in ``trainer_state.pt``. Under DDP every rank
+keeps its own buffer (its own groups): ``state_dict`` gathers every rank's and each rank restores its
+own (rank mod the saved count), so a resumed run replays what the uninterrupted one would have.
+Sharded training (FSDP / ZeRO-3) is refused: ranks would train different numbers of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from anabranch.algorithms.rorecomp import priority_mask
+from anabranch.config import ConfigError
+from anabranch.eval.accuracy import batch_correct
+from anabranch.rollout.base import Rollout
+from anabranch.trainer.collect import ScoredBatch, concat_batches
+
+# Objectives that match a distribution over each group's unbiased draws (or need whole groups):
+# a length-selected subset and stale rows would bias the target they match.
+_DISTRIBUTION_LOSSES = ("flowrl", "fdpg", "brain")
+
+
+def check_config(cfg) -> None:
+    """Config-load refusals (config_loading.validate) and the key ranges; nothing when RoRecomp is off."""
+    a = cfg.algorithm
+    if a.rorecomp_fraction == 0:
+        return
+    if not 0 < a.rorecomp_fraction < 1:
+        raise ConfigError(f"algorithm.rorecomp_fraction must be in (0, 1) (got {a.rorecomp_fraction}); it is the "
+                          "share of each group's correct and of its wrong responses in the priority batch, 0: off")
+    if a.rorecomp_buffer_size < 1 or a.rorecomp_compensation_rows < 0 or a.rorecomp_max_age < 0:
+        raise ConfigError("algorithm.rorecomp_buffer_size must be >= 1 and algorithm.rorecomp_compensation_rows and "
+                          "algorithm.rorecomp_max_age >= 0 (got "
+                          f"{a.rorecomp_buffer_size}, {a.rorecomp_compensation_rows}, {a.rorecomp_max_age})")
+    k = compensation_rows(cfg)
+    if k > a.rorecomp_buffer_size:
+        raise ConfigError(f"algorithm.rorecomp_compensation_rows={k} exceeds algorithm.rorecomp_buffer_size="
+                          f"{a.rorecomp_buffer_size}: no compensation batch could ever be due; raise the buffer "
+                          "size or lower the compensation rows")
+    if cfg.rollout.n < 4:
+        raise ConfigError(f"algorithm.rorecomp_fraction > 0 needs rollout.n >= 4 (got {cfg.rollout.n}): with fewer "
+                          "samples per group every response is in the priority batch and nothing is recomposed")
+    loss = a.loss or a.name
+    if loss in _DISTRIBUTION_LOSSES or a.name in _DISTRIBUTION_LOSSES:
+        raise ConfigError(f"algorithm.rorecomp_fraction > 0 with {loss}: its objective matches a distribution over "
+                          "each group's unbiased samples, which a length-selected priority batch and replayed rows "
+                          "bias; use grpo/dapo-style losses (ppo_clip, ...) or set algorithm.rorecomp_fraction=0")
+    rebuilders = [("algorithm.guide.enabled", a.guide.enabled), ("algorithm.scaffold.enabled", a.scaffold.enabled),
+                  ("algorithm.ampo.enabled", a.ampo.enabled), ("algorithm.hpt.enabled", a.hpt.enabled),
+                  ("algorithm.rl_plus.enabled", a.rl_plus.enabled),
+                  ("algorithm.calibrl.enabled", bool(getattr(getattr(a, "calibrl", None), "enabled", False))),
+                  ("algorithm.kdrl.teacher", bool(a.kdrl.teacher)),
+                  ("algorithm.srpo_coef > 0", a.srpo_coef > 0), ("algorithm.spae_coef > 0", a.spae_coef > 0),
+                  ("algorithm.rltf_sd_coef > 0", a.rltf_sd_coef > 0),
+                  ("algorithm.dsdr_local_coef > 0", a.dsdr_local_coef > 0),
+                  (f"rollout.extra_rollouts={cfg.rollout.extra_rollouts}", cfg.rollout.extra_rollouts != "none")]
+    for key, on in rebuilders:
+        if on:
+            raise ConfigError(f"algorithm.rorecomp_fraction > 0 with {key}: that method rebuilds or re-weights the "
+                              "step's rows by their position in the batch, which RoRecomp's selection and replay "
+                              f"change; turn one of them off (algorithm.rorecomp_fraction=0)")
+
+
+def compensation_rows(cfg) -> int:
+    """K: ``rorecomp_compensation_rows``, or one step's batch (prompts_per_step × n) when 0."""
+    k = cfg.algorithm.rorecomp_compensation_rows
+    return k if k > 0 else cfg.rollout.prompts_per_step * cfg.rollout.n
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Rows of one step waiting in the buffer: their rollout, advantages, precomputed tensors, rewards."""
+
+    born: int
+    rollout: Rollout
+    advantages: torch.Tensor
+    precomputed: dict
+    rewards: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rewards.shape[0])
+
+    def take(self, rows: list[int]) -> "Chunk":
+        return Chunk(self.born, self.rollout.take(rows), self.advantages[rows],
+                     {k: v[rows] for k, v in self.precomputed.items()}, self.rewards[rows])
+
+
+class ReplayBuffer:
+    """FIFO chunks of remaining rows (module docstring: what enters, age, compensation, cap)."""
+
+    def __init__(self, capacity: int, max_age: int):
+        self.capacity, self.max_age = capacity, max_age
+        self.chunks: list[Chunk] = []
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def add(self, chunk: Chunk) -> None:
+        if len(chunk):
+            self.chunks.append(chunk)
+        over = len(self) - self.capacity
+        while over > 0:  # the oldest rows go first
+            head = self.chunks[0]
+            if len(head) <= over:
+                self.chunks.pop(0)
+                over -= len(head)
+            else:
+                self.chunks[0] = head.take(list(range(over, len(head))))
+                over = 0
+
+    def expire(self, step: int) -> int:
+        """Drop rows older than max_age steps; the number dropped."""
+        if self.max_age <= 0:
+            return 0
+        old = [c for c in self.chunks if step - c.born > self.max_age]
+        self.chunks = [c for c in self.chunks if step - c.born <= self.max_age]
+        return sum(len(c) for c in old)
+
+    def pop(self, k: int) -> list[Chunk]:
+        """The k oldest rows (as chunks), removed from the buffer."""
+        out = []
+        while k > 0 and self.chunks:
+            head = self.chunks[0]
+            if len(head) <= k:
+                out.append(self.chunks.pop(0))
+                k -= len(head)
+            else:
+                out.append(head.take(list(range(k))))
+                self.chunks[0] = head.take(list(range(k, len(head))))
+                k = 0
+        return out
+
+    def state(self) -> list[dict]:
+        return [{"born": c.born, "rollout": {f.name: getattr(c.rollout, f.name) for f in dataclasses.fields(Rollout)},
+                 "advantages": c.advantages, "precomputed": dict(c.precomputed), "rewards": c.rewards}
+                for c in self.chunks]
+
+    def load(self, state: list[dict]) -> None:
+        self.chunks = [Chunk(s["born"], Rollout(**s["rollout"]), s["advantages"], dict(s["precomputed"]), s["rewards"])
+                       for s in state]
+
+
+def _row_tensors(pre: dict, n: int) -> dict:
+    """``precomputed``'s per-row tensors (dim 0 = n); anything else cannot follow a row subset."""
+    for k, v in pre.items():
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n):
+            raise RuntimeError(f"RoRecomp: precomputed[{k!r}] is not a per-row tensor; it cannot be split by row")
+    return pre
+
+
+def _pad_right(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[B_i, R_i] (or [B_i]) tensors stacked on dim 0, 2-D ones right-padded with zeros to the widest."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+def merge(chunks: list[Chunk]) -> Chunk:
+    """One training set of several chunks: prompts re-left-padded, responses and per-token tensors
+    re-right-padded (trainer/collect.concat_batches for the rollout)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    batches = [ScoredBatch(c.rollout, [None] * len(c), c.rewards.tolist(), {}) for c in chunks]
+    rollout = concat_batches(batches).rollout
+    pre = {k: _pad_right([c.precomputed[k] for c in chunks]) for k in chunks[0].precomputed}
+    return Chunk(chunks[0].born, rollout, _pad_right([c.advantages for c in chunks]), pre,
+                 torch.cat([c.rewards for c in chunks]))
+
+
+class Recomposed(NamedTuple):
+    """The rows a step trains (unpacked by the loop as train_rollout, advantages, precomputed, rewards)."""
+
+    rollout: Rollout
+    advantages: torch.Tensor
+    precomputed: dict
+    rewards: torch.Tensor
+
+
+class RoRecomp:
+    """What the loop holds for RoRecomp: the buffer (stateful ``rorecomp``) and the per-step recomposition."""
+
+    def __init__(self, cfg, sources, dist=None):
+        a = cfg.algorithm
+        self.fraction, self.k = a.rorecomp_fraction, compensation_rows(cfg)
+        self.sources, self.dist = sources, dist
+        self.buffer = ReplayBuffer(a.rorecomp_buffer_size, a.rorecomp_max_age)
+
+    @classmethod
+    def create(cls, cfg, dist=None, c=None) -> "RoRecomp | None":
+        """None when ``algorithm.rorecomp_fraction`` is 0 (the default: nothing on the hot path)."""
+        if cfg.algorithm.rorecomp_fraction == 0:
+            return None
+        check_config(cfg)  # configs built in code skip config_loading.validate
+        if c is not None and "whole_groups" in c.algo.needs:
+            raise ConfigError(f"algorithm.rorecomp_fraction > 0 with loss={c.algo.cfg.loss!r}: its loss has a per-group "
+                              "term over whole groups, which the priority batch splits; set algorithm.rorecomp_fraction=0")
+        from anabranch.trainer.distributed import require_plain_ddp
+
+        require_plain_ddp(dist, f"algorithm.rorecomp_fraction={cfg.algorithm.rorecomp_fraction}", "RoRecomp's ranks "
+                          "train different numbers of rows", "algorithm.rorecomp_fraction=0")
+        return cls(cfg, None if c is None else c.rewards, dist)
+
+    def step(self, batch: ScoredBatch, train_rollout: Rollout, advantages: torch.Tensor, precomputed: dict,
+             rewards: torch.Tensor, step: int) -> Recomposed:
+        """This step's training rows; the step's metrics go into ``batch.metrics`` (rorecomp/...)."""
+        n = int(rewards.shape[0])
+        correct = torch.tensor(batch_correct(batch, self.sources), dtype=torch.bool)
+        lengths = batch.rollout.response_lengths  # before DAPO's overlong filter empties truncated masks
+        prio = priority_mask(correct, lengths, batch.rollout.group_index, self.fraction)
+        whole = Chunk(step, train_rollout, advantages.detach().cpu(),
+                      {k: v.detach().cpu() for k, v in _row_tensors(precomputed, n).items()}, rewards.cpu())
+        expired = self.buffer.expire(step)
+        due = self.buffer.pop(self.k) if len(self.buffer) >= self.k else []
+        rest = [i for i in range(n) if not prio[i]
+                and bool((advantages[i].cpu() * train_rollout.trained_mask[i].cpu()).abs().sum() > 0)]
+        self.buffer.add(whole.take(rest))
+        out = merge([whole.take(torch.nonzero(prio).flatten().tolist()), *due])
+        batch.metrics.update(self._metrics(prio, correct, lengths.float(), sum(len(d) for d in due), expired))
+        return Recomposed(out.rollout, out.advantages, out.precomputed, out.rewards)
+
+    def _metrics(self, prio, correct, lengths, replayed: int, expired: int) -> dict:
+        def mean(sel):
+            return float(lengths[sel].mean()) if bool(sel.any()) else 0.0
+
+        out = {"rorecomp/priority_rows": float(prio.sum()), "rorecomp/compensation_rows": float(replayed),
+               "rorecomp/buffer_rows": float(len(self.buffer)), "rorecomp/expired_rows": float(expired)}
+        # How much shorter the priority batch's correct responses are than all correct ones (>= 0), and how much
+        # longer its wrong ones than all wrong ones (>= 0): the brevity signal the recomposition carries.
+        # Always both keys (0 without such rows): DDP's metric all-reduce needs the same keys on every rank.
+        out["rorecomp/correct_length_gap"] = mean(correct) - mean(prio & correct)
+        out["rorecomp/wrong_length_gap"] = mean(prio & ~correct) - mean(~correct)
+        return out
+
+    def state_dict(self) -> dict:
+        """Every rank's buffer (a collective under DDP: the checkpointer calls it on every rank)."""
+        mine = self.buffer.state()
+        ranks = [mine] if self.dist is None else self.dist.gather_objects(mine)
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> None:
+        ranks = state["ranks"]
+        rank = 0 if self.dist is None else self.dist.rank
+        self.buffer.load(ranks[rank % len(ranks)] if ranks else [])
