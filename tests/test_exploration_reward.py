@@ -110,6 +110,24 @@ def test_config_load_refuses(functions, match):
         _load(functions)
 
 
+def test_the_guard_sums_several_exploration_sources():
+    # Each 0.4 alone is below math_verify's 0.5, but a long wrong answer scores 1 on both: 0.4 + 0.4 = 0.8 > 0.5
+    # (a correct one, 0.5): refused, the sum named.
+    both = ("[{name: math_verify, weight: 0.5}, {name: rlsp_exploration, weight: 0.4}, "
+            "{name: rlsp_exploration, weight: 0.4, params: {measure: steps}}]")
+    with pytest.raises(ConfigError, match=r"2 entries, weights 0\.4 \+ 0\.4 = 0\.8.*largest weight is 0\.5"):
+        _load(both)
+    # Below the verifier together (0.2 + 0.2 = 0.4 < 0.5): accepted, and then a correct answer does outscore
+    # the longest wrong one under the composed reward.
+    ok = _load("[{name: math_verify, weight: 0.5}, {name: rlsp_exploration, weight: 0.2, params: {max_length: 10}}, "
+               "{name: rlsp_exploration, weight: 0.2, params: {measure: steps, max_steps: 2}}]")
+    sources = build_rewards(ok.reward)
+    out = score_detailed(sources, ["p"] * 2, [RIGHT, WRONG + "\nmore\nlines"], [{"answer": "7"}] * 2,
+                         group_index=[0, 0], extra_fields={"response_length": [0, 1000]})
+    assert out.total == pytest.approx([0.5 + 0.2 * 0.5, 0.2 * 1.0 + 0.2 * 1.0])  # RIGHT: 1 line of 2 steps
+    assert out.total[0] > out.total[1]
+
+
 def test_build_rewards_also_checks_the_options():  # a config built in code, not loaded from text
     with pytest.raises(ConfigError, match=r"rlsp_exploration\]\.params\.max_steps"):
         build_rewards(RewardConfig(functions=[RewardFunctionConfig(name="rlsp_exploration",

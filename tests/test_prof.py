@@ -123,10 +123,27 @@ def _cfg(tiny_model_dir, write_jsonl, tmp_path, prm_dir=None, prm=True, **extra)
     ({"algorithm.ampo.enabled": True}, "cannot be used with algorithm.ampo.enabled"),
     ({"algorithm.guide.enabled": True}, "cannot be used with algorithm.guide.enabled"),
     ({"task.pairing": True}, "cannot be used with task.pairing"),
+    # SCOPE would put partly-rectifier rewrites in place of failed rows PROF kept (algorithms/prof.with_scope)
+    ({"algorithm.scope.enabled": True}, "prof_keep=2 cannot be used with algorithm.scope.enabled: .*never selected"),
+    # PRM shaping would make the PRM a reward too, which PROF keeps it out of
+    ({"reward.prm_shaping": "clip"}, r"cannot be used with reward.prm_shaping=clip: PROF uses the PRM only to filter"),
+    ({"reward.prm_shaping": "delta", "algorithm.advantage": "reinforce_pp"}, r"reward.prm_shaping=delta"),
 ])
 def test_refusals(tiny_model_dir, write_jsonl, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(tiny_model_dir, write_jsonl, tmp_path, **extra)
+
+
+def test_scope_refuses_prof_with_the_same_message():
+    from anabranch.algorithms.prof import with_scope
+    from anabranch.algorithms.scope import check_scope
+    from anabranch.config_algorithm import AlgorithmConfig
+    from anabranch.config_algorithm_options import ScopeConfig
+
+    on = ScopeConfig(enabled=True, prm_path="p", rectifier="r")
+    grpo = dict(advantage="grpo", loss="ppo_clip")
+    assert check_scope(AlgorithmConfig(**grpo, scope=on)) is None
+    assert check_scope(AlgorithmConfig(**grpo, scope=on, prof_keep=2)) == with_scope(2)
 
 
 def test_refusals_of_the_prm_source(tiny_model_dir, write_jsonl, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,8 @@ def test_step_trains_priority_then_replays_remaining_rows_later():
 
 @pytest.mark.parametrize("key,value,match", [
     ("algorithm.rorecomp_fraction", 1.0, "must be in"),
-    ("rollout.n", 2, "rollout.n >= 4"),
+    ("rollout.n", 2, "groups of >= 4"),
+    ("algorithm.scope.enabled", True, "scope"),
     ("algorithm.name", "flowrl", "unbiased"),
     ("algorithm.loss", "fdpg", "unbiased"),
     ("algorithm.guide.enabled", True, "guide"),
@@ -149,3 +151,173 @@ def test_tiny_run_priority_is_shorter_correct_and_longer_wrong_and_resumes(tiny_
     for a, b in zip(hist[2:], resumed.history[2:]):
         assert a["rorecomp/buffer_rows"] == b["rorecomp/buffer_rows"]
         assert a["rorecomp/compensation_rows"] == b["rorecomp/compensation_rows"]
+
+
+# --- review fixes: behaviour log-probs of replayed rows, sampler correction, merge keys, DDP, PROF ---------------
+
+def _tiny_rollout(n, width=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([6, 2, 4, 1, 6, 3, 5, 2])[:n]
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    return Rollout(prompt_ids=torch.randint(5, 40, (n, 3), generator=g), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+                   response_ids=torch.randint(5, 40, (n, width), generator=g) * mask, response_mask=mask,
+                   group_index=torch.zeros(n, dtype=torch.long), prompts=["p"], completions=[f"{seed}:{i}" for i in range(n)],
+                   truncated=torch.zeros(n, dtype=torch.bool))
+
+
+def _update(model, rollout, adv, pre, lr=0.0, **cfg_over):
+    """policy_update with plain SGD; the gradient is left in the parameters' .grad."""
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.trainer.step import policy_update
+
+    cfg = Config()
+    for k, v in cfg_over.items():
+        setattr(cfg.algorithm, k, v)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    m = policy_update(model, opt, rollout, adv, torch.zeros(adv.shape[0]), resolve_algorithm(cfg.algorithm),
+                      micro_batch_size=8, grad_clip=0.0, temperature=1.0, max_response_len=adv.shape[1], precomputed=pre)
+    return m, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+
+
+def test_a_replayed_row_trains_with_the_clipped_ratio_to_its_behaviour_log_probs(tiny_model_dir):
+    # Hand values for PPO-clip (ε = 0.2) on one row with Â = +1 on every token, against the same row at ratio 1:
+    #   behaviour = log π_θ + ln 2 -> r = 1/2: min(r·Â, clip(r)·Â) = r·Â, gradient r·∇log π = exactly 1/2 of ratio 1's
+    #   behaviour = log π_θ − ln 2 -> r = 2 > 1.2: the clipped term wins, constant: gradient exactly 0
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer.step import no_grad_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    r = _tiny_rollout(1)
+    adv = r.response_mask.float()
+    lp = no_grad_log_probs(model, r, 8, 1.0)
+    _, g_on_policy = _update(model, r, adv, {})
+    rows = torch.ones(1, dtype=torch.bool)
+    m_half, g_half = _update(model, r, adv, {"behaviour_log_prob": lp + math.log(2), "behaviour_rows": rows})
+    _, g_clip = _update(model, r, adv, {"behaviour_log_prob": lp - math.log(2), "behaviour_rows": rows})
+    assert g_on_policy.abs().max() > 1e-4
+    assert torch.allclose(g_half, 0.5 * g_on_policy, atol=1e-6, rtol=1e-4)
+    assert g_clip.abs().max() < 1e-7
+    assert m_half["approx_kl"] == pytest.approx(math.log(2), abs=1e-5)  # mean_t −log r_t
+    # A row that is not a behaviour row keeps its own π_old (ratio 1) whatever the tensor holds.
+    _, g_fresh = _update(model, r, adv, {"behaviour_log_prob": lp + 5.0, "behaviour_rows": ~rows})
+    assert torch.allclose(g_fresh, g_on_policy, atol=1e-7)
+
+
+def test_buffered_rows_carry_their_own_steps_log_probs_and_replay_against_them(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer.step import no_grad_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    cfg = Config()
+    cfg.algorithm.rorecomp_fraction, cfg.algorithm.rorecomp_compensation_rows = 0.5, 4
+    rr = RoRecomp(cfg, sources=[], model=model)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    sign = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])[:, None]
+
+    def step(s, seed):
+        r = _tiny_rollout(6, seed=seed)
+        r.sample_log_probs = -0.5 * r.response_mask.float()  # the engine's, recorded at sampling
+        batch = _Batch(r, rewards.tolist())
+        return r, rr.step(batch, r, sign * r.response_mask, {}, rewards, s)
+
+    r1, out1 = step(1, seed=1)  # lengths 6 2 4 | 1 6 3: priority rows 1 (short right), 4 (long wrong)
+    assert out1.rollout.completions == ["1:1", "1:4"]
+    assert "behaviour_log_prob" not in out1.precomputed  # nothing replayed: the fresh rows' inputs are untouched
+    lp1 = no_grad_log_probs(model, r1, 8, 1.0)  # π_1, the policy that sampled step 1
+    with torch.no_grad():  # the policy moves
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    r2, out2 = step(2, seed=2)
+    assert out2.rollout.completions == ["2:1", "2:4", "1:0", "1:2", "1:3", "1:5"]
+    pre = out2.precomputed
+    assert pre["behaviour_rows"].tolist() == [False, False, True, True, True, True]
+    assert pre["stale_rows"].tolist() == [False, False, True, True, True, True]
+    mask = out2.rollout.response_mask.bool()
+    want = lp1[[0, 2, 3, 5]]
+    assert torch.allclose(pre["behaviour_log_prob"][2:][mask[2:]], want[mask[2:]], atol=1e-5)
+    lp2 = no_grad_log_probs(model, out2.rollout, 8, 1.0)
+    gap = (pre["behaviour_log_prob"] - lp2)[2:][mask[2:]]
+    assert gap.abs().max() > 1e-3  # the policy moved: ratio 1 would be wrong for these rows
+    # The update's approx_kl is mean_t (log π_1 − log π_θ) over the trained tokens, 0 on the fresh rows:
+    metrics, g = _update(model, out2.rollout, out2.advantages, pre)
+    assert metrics["approx_kl"] == pytest.approx(float(gap.sum()) / float(mask.sum()), abs=1e-5)
+    _, g_ratio_one = _update(model, out2.rollout, out2.advantages, {})
+    assert (g - g_ratio_one).abs().max() > 1e-5
+
+
+def test_replayed_rows_stay_out_of_the_sampler_correction():
+    from anabranch.rollout.importance import sampler_correction
+
+    old = torch.zeros(2, 2)
+    sampler = torch.tensor([[-0.25, -0.25], [-3.0, -3.0]])
+    mask = torch.ones(2, 2)
+    adv = torch.ones(2, 2)
+    stale = torch.tensor([False, True])
+    out, m = sampler_correction(old, sampler, mask, adv, cap=1.2, stale_rows=stale)
+    # fresh row 0: Δ = −0.25, w = min(e^0.25, 1.2) = 1.2; stale row 1: out of the metrics, weight 1
+    assert m["mismatch/kl"] == pytest.approx(-0.25) and m["mismatch/abs_mean"] == pytest.approx(0.25)
+    assert m["mismatch/tis_weight_mean"] == pytest.approx(1.2) and m["mismatch/tis_clipped_frac"] == 1.0
+    assert torch.allclose(out, torch.tensor([[1.2, 1.2], [1.0, 1.0]]))
+    _, all_rows = sampler_correction(old, sampler, mask, adv, cap=1.2)  # without stale rows: both counted
+    assert all_rows["mismatch/kl"] == pytest.approx((-0.25 - 3.0) / 2)
+
+
+def test_the_update_leaves_replayed_rows_out_of_the_mismatch_metrics(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from anabranch.trainer.step import no_grad_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    r = _tiny_rollout(2)
+    lp = no_grad_log_probs(model, r, 8, 1.0)
+    r.sample_log_probs = torch.stack([lp[0] - 0.3, lp[1] - 4.0]) * r.response_mask  # row 1: another step's engine
+    adv = r.response_mask.float()
+    pre = {"behaviour_log_prob": torch.stack([torch.zeros_like(lp[0]), lp[1]]),
+           "behaviour_rows": torch.tensor([False, True]), "stale_rows": torch.tensor([False, True])}
+    m, _ = _update(model, r, adv, pre, tis_cap=2.0)
+    # one micro-batch holding both rows: the metrics are row 0's alone, Δ = −0.3 and w = e^0.3 < cap
+    assert m["micro_batches"] == 1.0
+    assert m["mismatch/kl"] == pytest.approx(-0.3, abs=1e-5)
+    assert m["mismatch/tis_weight_mean"] == pytest.approx(math.exp(0.3), abs=1e-4)
+    # counted, row 1 would pull them: (6·(−0.3) + 2·(−4)) / 8 tokens
+    m_all, _ = _update(model, r, adv, {k: v for k, v in pre.items() if k != "stale_rows"}, tis_cap=2.0)
+    assert m_all["mismatch/kl"] == pytest.approx((6 * -0.3 + 2 * -4.0) / 8, abs=1e-5)
+
+
+def test_merge_refuses_chunks_with_different_precomputed_keys():
+    a, b = _chunk(1, 2), _chunk(2, 2)
+    b.precomputed["scope_off_tokens"] = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="different precomputed tensors"):
+        merge([a, b])
+    with pytest.raises(RuntimeError, match="different precomputed tensors"):
+        merge([b, a])
+
+
+class _Dist:
+    rank, world_size = 1, 2
+
+    def gather_objects(self, obj):
+        return [obj, obj]
+
+
+def test_ddp_limits_are_global_numbers_split_over_the_ranks():
+    cfg = Config()  # prompts_per_step 8 × n 4: one step's batch = 32 rows globally, 16 per rank
+    cfg.algorithm.rorecomp_fraction, cfg.algorithm.rorecomp_buffer_size = 0.5, 101
+    one, two = RoRecomp(cfg, sources=[]), RoRecomp(cfg, sources=[], dist=_Dist())
+    assert (one.k, one.buffer.capacity) == (32, 101)
+    assert (two.k, two.buffer.capacity) == (16, 51)
+    cfg.algorithm.rorecomp_compensation_rows = 9
+    assert RoRecomp(cfg, sources=[], dist=_Dist()).k == 5
+
+
+def test_prof_keep_is_the_group_size_rorecomp_sees():
+    cfg = Config()
+    cfg.algorithm.rorecomp_fraction, cfg.rollout.n = 0.5, 8
+    cfg.algorithm.prof_keep = 3  # PROF cuts each group of 8 to 3 rows before RoRecomp: every row is priority
+    with pytest.raises(ConfigError, match="groups of >= 4.*prof_keep=3"):
+        check_config(cfg)
+    cfg.algorithm.prof_keep = 4
+    check_config(cfg)
+    assert RoRecomp(cfg, sources=[]).k == cfg.rollout.prompts_per_step * 4  # one step's batch: 4 rows per prompt

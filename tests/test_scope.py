@@ -78,6 +78,46 @@ def test_loss_on_prefix_and_rectifier_tokens_against_hand_values():
     assert float(same.detach()) == pytest.approx(float(plain.detach())) and m2["scope/shaped_prob"] == 0.0
 
 
+@pytest.mark.parametrize("mode, row_weight", [
+    ("token-mean", 4 / 8),                 # Σ over the row's 4 tokens of 1/(8 tokens in the batch)
+    ("seq-mean-token-sum", 4 / 2),         # 4 tokens of 1/(B = 2)
+    ("seq-mean-token-mean", 1 / 2),        # the row's mean: 4 tokens of 1/(4·B)
+    ("seq-mean-token-sum-norm", 4 / (2 * 5)),  # 4 tokens of 1/(B·T_max), T_max = 5
+])
+def test_a_salvaged_row_weighs_one_row_in_every_aggregation_mode(mode, row_weight):
+    """Row 0 plain, row 1 salvaged (two prefix tokens, two rectifier tokens), both 4 tokens long. Each token's
+    aggregation weight is its gradient over ∂L_t/∂log p (−Â at r = 1 for the objective, −Â·pγ/(p + γ)² for the
+    shaped term): both rows' weights must sum to one row's. (Aggregating the parts apart under
+    seq-mean-token-mean gave the salvaged row 2·(1/2): twice a plain row.)"""
+    from functools import partial
+
+    from anabranch.algorithms.aggregation import aggregate, batch_scale
+    from anabranch.algorithms.ampo import ampo_objective
+
+    algo = resolve_algorithm(_algo(loss_agg_mode=mode))
+    mask = torch.ones(2, 4)
+    agg = partial(aggregate, mode=mode, scale=batch_scale(mask, 5))
+    ctx = LossContext(cfg=algo.cfg, aggregate=agg)
+    p, gamma = 0.5, 0.1
+    adv = torch.ones(2, 4)
+    off = torch.tensor([[False] * 4, [False, False, True, True]])
+    per_token = torch.where(off, torch.tensor(p * gamma / (p + gamma) ** 2), torch.tensor(1.0))  # ∂L_t/∂log p / −Â
+
+    def weights(loss_fn, unit):
+        lp = torch.full((2, 4), math.log(p)).requires_grad_()
+        loss, _ = loss_fn(lp, lp.detach().clone())
+        loss.backward()
+        return lp.grad / (-adv * unit)
+    w = weights(lambda lp, old: scope_objective(algo.objective, lp, old, adv, mask, ctx, off, gamma, agg), per_token)
+    assert float(w[0].sum()) == pytest.approx(row_weight) and float(w[1].sum()) == pytest.approx(row_weight)
+    assert torch.allclose(w[1], w[0])  # token by token too: a salvaged token weighs as a plain row's token
+    # AMPO's whole injected rows (the same split, algorithms/off_policy_split.py): row 1 all shaped, one row too.
+    unit = torch.tensor([[1.0] * 4, [p * gamma / (p + gamma) ** 2] * 4])
+    wa = weights(lambda lp, old: ampo_objective(algo.objective, lp, old, adv, mask, ctx, torch.tensor([False, True]),
+                                                gamma, agg), unit)
+    assert float(wa[0].sum()) == pytest.approx(row_weight) and float(wa[1].sum()) == pytest.approx(row_weight)
+
+
 # ---------------------------------------------------------------- the rewritten batch, tiny model
 
 class StubRectifier:
@@ -244,6 +284,9 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     from anabranch.config_algorithm_options import AMPOConfig
 
     assert "algorithm.ampo.enabled" in check_scope(_algo(ampo=AMPOConfig(enabled=True), scope=ScopeConfig(**on)))
+    # Dynamic sampling would drop the all-fail groups, SCOPE's main target, before it sees them.
+    assert "with algorithm.dynamic_sampling: dynamic sampling drops the groups whose samples are all wrong" in \
+        check_scope(_algo(dynamic_sampling=True, scope=ScopeConfig(**on)))
     rows = [{"prompt": f"Q{i}", "answer": "1"} for i in range(6)]
     data = write_jsonl(rows)
     base = {"task.eval_size": 2, "algorithm.scope.enabled": True, "algorithm.scope.prm_path": tiny_model_dir,
@@ -259,6 +302,8 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
                               ("rollout.extra_rollouts", "cure", "rollout.extra_rollouts=cure")]:
         with pytest.raises(ConfigError, match=f"algorithm.scope.enabled cannot be used with {match}"):
             load(**base, **{key: value, **({"rollout.n": 16} if value == "cure" else {})})
+    with pytest.raises(ConfigError, match="algorithm.scope.enabled with algorithm.dynamic_sampling"):
+        load(**base, **{"algorithm.dynamic_sampling": True})
     with pytest.raises(ConfigError, match="algorithm.scope.rectifier='/no/such/model' is not an existing folder"):
         load(**{**base, "algorithm.scope.rectifier": "/no/such/model"})
     shaped = load(**base)

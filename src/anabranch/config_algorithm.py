@@ -14,6 +14,8 @@ from typing import Optional
 from anabranch.config_algorithm_options import (AMPOConfig, DPHConfig, FDPGConfig, FlowRLConfig, GuideConfig,
                                                 HPTConfig, KDRLConfig, RLPlusConfig, ScaffoldConfig, ScopeConfig)
 from anabranch.config_algorithm_options import CalibRLConfig
+from anabranch.config_algorithm_options import RECAPConfig
+from anabranch.config_algorithm_options import ALPConfig
 
 
 @dataclass
@@ -160,6 +162,14 @@ class AlgorithmConfig:
     # KL-Cov: |log π − log π_old| penalty of weight cov_kl_coef on the top cov_kl_ratio tokens by Cov.
     cov_kl_ratio: float = 2e-3
     cov_kl_coef: float = 1.0
+    # STEER (Hao et al. 2025, arXiv 2510.10150; algorithms/steer.py; algorithm.name=steer, loss=steer only): each
+    # token's PPO loss × λ_t = exp(−k·|Ω_t|), Ω_t the estimated entropy change of its update, k set so that the
+    # micro-batch's largest |Ω| gets steer_weight_min (k's denominator at least steer_omega_floor); or, with
+    # steer_mapping=linear, |Ω| mapped linearly onto [steer_weight_max, steer_weight_min]. The authors' run: 0.8, exp.
+    steer_weight_min: float = 0.8
+    steer_weight_max: float = 1.0
+    steer_mapping: str = "exp"
+    steer_omega_floor: float = 0.02
     # Lp-Reg (Huang et al. 2025, algorithms/lp_reg.py): on the lowest-probability lp_reg_rho fraction of the
     # negative-advantage tokens of each micro-batch, lp_reg_coef × k3(π_θ ‖ π_proxy), π_proxy = π with the
     # tokens below lp_reg_kappa·max_v π(v) (or below lp_reg_tau, when > 0) removed and renormalized;
@@ -234,6 +244,9 @@ class AlgorithmConfig:
     scope: ScopeConfig = field(default_factory=ScopeConfig)
     rl_plus: RLPlusConfig = field(default_factory=RLPlusConfig)  # RL-PLUS (algorithms/rl_plus.py)
     calibrl: CalibRLConfig = field(default_factory=CalibRLConfig)  # CalibRL (algorithms/calibrl.py)
+    recap: RECAPConfig = field(default_factory=RECAPConfig)  # RECAP (algorithms/recap.py): replay, reweighted online
+    # ALP (algorithms/alp.py): learnable layerwise noise in the update forward, the ratio's numerator only (off).
+    alp: ALPConfig = field(default_factory=ALPConfig)
     # KDRL (algorithms/kdrl.py): β·KL(π_θ ‖ teacher) on the student's own samples, beside the reference KL;
     # off while kdrl.teacher is empty.
     kdrl: KDRLConfig = field(default_factory=KDRLConfig)
@@ -269,7 +282,8 @@ class AlgorithmConfig:
     # shortest rorecomp_fraction α of each group's correct and the longest α of its wrong responses (at least one
     # each), plus a compensation batch of rorecomp_compensation_rows earlier remaining rows (0: one step's batch)
     # once that many wait in a buffer of rorecomp_buffer_size rows (oldest dropped; rorecomp_max_age > 0 also drops
-    # rows older than that many steps). α in (0, 1); 0: off, no cost.
+    # rows older than that many steps). α in (0, 1); 0: off, no cost. Both row counts are global (as
+    # prompts_per_step): under DDP each rank buffers ⌈size/W⌉ and replays ⌈K/W⌉ of its own rows.
     rorecomp_fraction: float = 0.0
     rorecomp_compensation_rows: int = 0
     rorecomp_buffer_size: int = 1024
@@ -289,3 +303,11 @@ class AlgorithmConfig:
     # reward likelihood p(G=1|x,y) ∝ exp(r/β) in the target posterior π_ref·exp(r/β)/Z (the KL coefficient whose
     # PPO optimum it is); positive and finite; only with loss=brain. 0.1 is assumed (the paper's value not found).
     brain_beta: float = 0.1
+    # OREAL (Lyu et al. 2025, arXiv 2502.06781; algorithms/oreal.py; algorithm.name=oreal), only with loss=oreal:
+    # η, the weight of the wrong samples' reshaped term (the authors' 0.5); whether the correct samples' behaviour
+    # cloning is scaled by their RLOO value (the authors' pos_mult_adv, on); the token-level reward head that weights
+    # each token (off: every token weighs 1) and its learning rate over the policy's (the authors' 4×).
+    oreal_neg_weight: float = 0.5
+    oreal_pos_mult_adv: bool = True
+    oreal_token_rm: bool = False
+    oreal_token_rm_lr_multiplier: float = 4.0

@@ -127,6 +127,18 @@ class ScaffoldConfig:
     ratios: list = field(default_factory=lambda: [0.25, 0.5, 0.75])
     # The hint put after the question, {prefix} replaced by the solution's first ⌈ω·W⌉ words (wording assumed).
     hint_template: str = "The beginning of a solution, which you may continue from:\n{prefix}"
+    # How the hint ratio is chosen: "stages" (GHPO: the fixed ``ratios`` for the all-fail groups) or "irt"
+    # (SEELE, arXiv 2509.06923; algorithms/hint_irt.py): each group below the accuracy band is hinted at the
+    # ratio where a 3PL fit of its accuracy against the ratio predicts irt_target, refitted every round.
+    schedule: str = "stages"
+    # SEELE's target accuracy a* (the paper: 0.5, where E[a(1 - a)] peaks) and the band's half-width: groups
+    # below irt_target - irt_tolerance are hinted; a round inside the band ends the group's rounds.
+    irt_target: float = 0.5
+    irt_tolerance: float = 0.25
+    # Hinted rounds of n samples after the step's own hint-free round (the paper: m = 4 rounds in all).
+    irt_rounds: int = 3
+    # The first hinted round's ratio for a prompt with no stored ratio (the paper's pessimistic cold start).
+    irt_initial_ratio: float = 0.75
 
 
 @dataclass
@@ -231,3 +243,50 @@ class ScopeConfig:
     max_per_group: int = 2
     # γ of the policy shaping f(p) = p / (p + γ) on the rectifier's tokens (LUFFY's 0.1).
     shaping_gamma: float = 0.1
+
+
+@dataclass
+class RECAPConfig:
+    """RECAP (``algorithm.recap``; Phan, Yang et al. 2025, arXiv 2510.21978; algorithms/recap.py,
+    trainer/recap_step.py): replay of general-domain data (an NLL term on its demonstrations) beside the
+    RL loss, L = (1/K) Σ_k λ_k L_k with λ = K·softmax((c + i)/T) re-computed each step from each
+    objective's convergence c and instability i over the last 2·window steps."""
+
+    # Turn RECAP on (any algorithm; off: plain RL).
+    enabled: bool = False
+    # The general-domain data replayed: a built-in task, a reasoning-gym dataset, or "file" (replay_path).
+    replay_task: str = ""
+    # With replay_task=file: a local file (.jsonl, .parquet, .csv) read with the task's prompt/answer/
+    # demonstration columns (task.prompt_column, ...). Nothing is downloaded.
+    replay_path: str = ""
+    # Replay rows trained per optimizer step (a seeded draw, the same on resume).
+    replay_rows_per_step: int = 8
+    # W: each weight uses the last 2W steps of its objective's tracked loss (assumed default; see recap.py).
+    window: int = 5
+    # T of the softmax over the objectives' scores (the paper: 5; larger: closer to equal weights).
+    temperature: float = 5.0
+    # For replay rows without a demonstration: the target written from the row's reference answer.
+    demonstration_template: str = "<answer>{answer}</answer>"
+    # Longest replay target trained, in tokens (longer ones are cut, keeping their start; 0: no limit).
+    max_replay_tokens: int = 256
+
+
+@dataclass
+class ALPConfig:
+    """ALP (``algorithm.alp``; Ye et al. 2026, arXiv 2603.19470; algorithms/alp.py): in the update's forward only,
+    each decoder layer's input hidden state gets σ_l·ε (ε ~ N(0, I), σ_l = exp(s_l) learnable per layer), so the
+    ratio's numerator is the perturbed policy π_{θ,δ} against the unperturbed π_old. Ratio-based losses only."""
+
+    # Turn ALP on (loss ppo_clip, gspo, cispo, clip_cov or kl_cov; forces π_old's no-grad forward).
+    enabled: bool = False
+    # σ_l's start, > 0 (the authors' model-config example 1e-2; their scripts 1e-6 to 0.02).
+    init_std: float = 1e-2
+    # Train s_l = log σ_l with the policy loss (false: σ fixed at init_std).
+    learnable: bool = True
+    # s_l's learning rate is trainer.lr × lr_multiplier (>= 0; the authors use an absolute 5e-4).
+    lr_multiplier: float = 1.0
+    # Perturbed layers: [start_layer, end_layer), end_layer=-1 through the last (the paper's best: all layers).
+    start_layer: int = 0
+    end_layer: int = -1
+    # Mixed into each pass's noise seed (with the rank and a pass counter saved in checkpoints).
+    seed: int = 0

@@ -372,6 +372,10 @@ def validate(cfg: Config) -> None:
         from anabranch.trainer.rorecomp import check_config as check_rorecomp
 
         check_rorecomp(cfg)
+    if cfg.algorithm.loss == "steer":  # STEER (algorithms/steer.py): its keys' ranges, the other mapping's knob
+        from anabranch.algorithms.steer import raise_if_bad as check_steer
+
+        check_steer(cfg.algorithm)
     if cfg.algorithm.guide.enabled:  # Guide (algorithms/guide.py): backend, tools and pairing it cannot take
         from anabranch.algorithms.guide import check_run as check_guide_run
 
@@ -392,6 +396,14 @@ def validate(cfg: Config) -> None:
         from anabranch.algorithms.calibrl import check_run as check_calibrl_run  # while off, rollout.n, tools
 
         check_calibrl_run(cfg)
+    if cfg.algorithm.alp != type(cfg.algorithm.alp)():  # ALP (algorithms/alp.py): keys, loss, knobs set while off
+        from anabranch.algorithms.alp import check_run as check_alp_run
+
+        check_alp_run(cfg)
+    if cfg.algorithm.recap != type(cfg.algorithm.recap)():  # RECAP (algorithms/recap.py): keys, knobs set while off
+        from anabranch.algorithms.recap import check_run as check_recap_run
+
+        check_recap_run(cfg)
     if cfg.algorithm.dynamic_sampling_filter == "std" and cfg.algorithm.dynamic_sampling_metric == "accuracy":
         # RLPR's filter measures the spread of the reward; on the right/wrong flags it measures p̂(1−p̂).
         from anabranch.rewards.guard import warn
@@ -446,6 +458,15 @@ _GATED = [
      "algorithm.advantage=mssr (algorithm.name=mssr)"),
     # BRAIn (algorithms/brain.py): the temperature of its posterior, an option of its objective only.
     ("algorithm", ("brain_beta",), lambda c: c.algorithm.loss == "brain", "algorithm.loss=brain (algorithm.name=brain)"),
+    # OREAL (algorithms/oreal.py): its weights act only with its objective, the head's learning rate only with the head.
+    ("algorithm", ("oreal_neg_weight", "oreal_pos_mult_adv", "oreal_token_rm"), lambda c: c.algorithm.loss == "oreal",
+     "algorithm.loss=oreal (algorithm.name=oreal)"),
+    ("algorithm", ("oreal_token_rm_lr_multiplier",),
+     lambda c: c.algorithm.loss == "oreal" and c.algorithm.oreal_token_rm,
+     "algorithm.loss=oreal and algorithm.oreal_token_rm=true"),
+    # STEER (algorithms/steer.py): its token weighting's knobs, options of its objective only.
+    ("algorithm", ("steer_weight_min", "steer_weight_max", "steer_mapping", "steer_omega_floor"),
+     lambda c: c.algorithm.loss == "steer", "algorithm.loss=steer (algorithm.name=steer)"),
     # PRM-Clip (algorithms/prm_shaping.py): η acts only in the clipping modes.
     ("reward", ("prm_eta",), lambda c: c.reward.prm_shaping in ("clip", "clip_delta"),
      "reward.prm_shaping=clip or clip_delta"),

@@ -13,6 +13,8 @@ from anabranch.algorithms import canon, etr, pacs, weighted_grpo  # noqa: F401
 from anabranch.algorithms import mssr, ppl_position  # noqa: F401  (MSSR; PPL/position shaping)
 from anabranch.algorithms import srpo  # noqa: F401  (SRPO recipe: GRPO + self-distillation of failed rows)
 from anabranch.algorithms import reasonmaxxer  # noqa: F401  (RL-free contrast at base-entropy gates)
+from anabranch.algorithms import oreal  # noqa: F401  (OREAL: BC on positives, pass-rate-reshaped negatives)
+from anabranch.algorithms import steer  # noqa: F401  (STEER: tokens reweighted by their estimated entropy change)
 from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.resolve import Algorithm, resolve_algorithm
 

@@ -55,6 +55,9 @@ import math
 
 import torch
 
+# shaped_prob / off_policy_loss_mat are re-exported here: AMPO's tests and callers import them from this module.
+from anabranch.algorithms.off_policy_split import off_policy_loss_mat, shaped_prob, split_objective  # noqa: F401
+
 # Objectives whose per-row loss can leave the injected rows out (their mask), beside the shaped term.
 AMPO_LOSSES = ("ppo_clip", "cispo", "gspo")
 SELECTIONS = ("mean_logprob", "order")
@@ -79,32 +82,15 @@ def select_top(scores: list[float], k: int) -> list[int]:
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
 
 
-def shaped_prob(log_prob: torch.Tensor, gamma: float) -> torch.Tensor:
-    """f(π_θ) = π_θ / (π_θ + γ) per token (LUFFY's policy shaping of the ratio π_θ / π_teacher, π_teacher = 1)."""
-    p = log_prob.exp()
-    return p / (p + gamma)
-
-
-def off_policy_loss_mat(log_prob: torch.Tensor, advantage: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Per-token loss −f(π_θ)·Â of the injected rows (no clipping)."""
-    return -shaped_prob(log_prob, gamma) * advantage
-
-
 def ampo_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, injected: torch.Tensor,
                    gamma: float, agg):
     """The micro-batch's loss: the run's ``objective`` on the on-policy rows (the injected rows masked
-    out) plus agg(−f(π_θ)·Â) on the injected rows (``injected``: [b] bool); its metrics with
-    ``ampo/shaped_prob`` (mean f over the injected tokens of this micro-batch, 0 without any; the
-    update averages it over micro-batches by token share, so it is diluted by rows without any)."""
-    rows = injected.to(mask.device).bool()[:, None]
-    on_mask, off_mask = mask * (~rows).to(mask.dtype), mask * rows.to(mask.dtype)
-    loss, metrics = objective(log_prob, old_log_prob, advantage, on_mask, ctx)
-    shaped = 0.0
-    if bool(rows.any()):
-        loss = loss + agg(off_policy_loss_mat(log_prob, advantage, gamma), off_mask)
-        with torch.no_grad():
-            f = shaped_prob(log_prob.detach(), gamma)
-            shaped = float((f * off_mask).sum() / off_mask.sum().clamp(min=1))
+    out) plus agg(−f(π_θ)·Â) on the injected rows (``injected``: [b] bool), algorithms/off_policy_split.py's
+    split shared with SCOPE; its metrics with ``ampo/shaped_prob`` (mean f over the injected tokens of this
+    micro-batch, 0 without any; the update averages it over micro-batches by token share, so it is diluted
+    by rows without any)."""
+    rows = injected.to(mask.device).bool()[:, None].expand(mask.shape)
+    loss, metrics, shaped = split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, rows, gamma, agg)
     # The key on every micro-batch of every rank (DDP's metric all-reduce needs the same keys everywhere).
     return loss, {**metrics, "ampo/shaped_prob": shaped}
 

@@ -37,6 +37,8 @@ The step scores come from the ``prm`` reward (rewards/prm.py, a local Math-Sheph
 ``trainer/collect.score_rollout`` puts each row's v in ``per_source["prof_process"]`` (so every slice and
 concatenation of the batch carries it; logged as ``reward/prof_process``, the kept rows' mean), and
 ``generate_round`` calls :func:`prof_filter` on each generation round before any dynamic-sampling test.
+``reward.prm_shaping`` other than ``none`` is refused with PROF (it would make the PRM a reward term too),
+and so is SCOPE (its rewrites would replace kept rows with text PROF never selected among).
 """
 
 from __future__ import annotations
@@ -109,6 +111,14 @@ def prof_filter(batch, sources, m: int):
     return out
 
 
+def with_scope(m: int) -> str:
+    """The one refusal of PROF with SCOPE, raised by whichever check runs first (this one, or SCOPE's)."""
+    return (f"algorithm.prof_keep={m} cannot be used with algorithm.scope.enabled: PROF keeps m of the n PRM-scored "
+            "samples the policy drew for each prompt, and SCOPE then replaces kept failed samples with rewrites that "
+            "are partly the rectifier's text, which PROF never selected among; set algorithm.prof_keep=0 or "
+            "algorithm.scope.enabled=false")
+
+
 def check_config(cfg) -> None:
     """At config load, with ``algorithm.prof_keep`` set: 2 ≤ m < n, one local ``prm`` reward to score the steps,
     and none of the features that change a group's rows after (or around) the filter."""
@@ -134,6 +144,15 @@ def check_config(cfg) -> None:
     from anabranch.rewards.prm import check_params
 
     check_params(dict(prms[0].params))  # model_path an existing folder, the tags' options (before any model loads)
+    if cfg.reward.prm_shaping != "none":
+        # The paper's point is that the PRM selects samples and stays out of the reward; PRM-Clip/Delta would
+        # add its step scores to the kept rows' returns, the blending PROF is the alternative to.
+        raise ConfigError(f"algorithm.prof_keep={m} cannot be used with reward.prm_shaping={cfg.reward.prm_shaping}: "
+                          "PROF uses the PRM only to filter samples, and PRM shaping would also make it a reward "
+                          "(the blending the PROF paper argues against); set reward.prm_shaping=none (the prm entry "
+                          "then only scores steps for the filter), or algorithm.prof_keep=0 to shape rewards instead")
+    if cfg.algorithm.scope.enabled:
+        raise ConfigError(with_scope(m))
     # Refused: rows the PRM does not score or whose steps are not the policy's own contiguous tokens (tools,
     # retry turns, CURE's branches); groups whose size is not rollout.n by design (DARS's extra samples); rows
     # that replace a group after the filter, so that it would train on samples PROF never selected among

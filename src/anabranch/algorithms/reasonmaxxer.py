@@ -28,7 +28,9 @@ The gate and the labels are computed once per update over the whole step batch (
 the objective's ``precompute`` hook, called by trainer/step.py), so neither depends on how the update splits
 the batch into micro-batches: labels from every sample's reward (a truncated one still counts in its group's
 mean, as for the advantages), the gate's top-ρ over the tokens the update trains (after DAPO's overlong filter,
-SimpleTIR's void-turn filter and HPT have masked their rows out). Under DDP each rank gates its own batch.
+SimpleTIR's void-turn filter and HPT have masked their rows out). Under DDP the top-ρ threshold is global: the
+k-th largest entropy over every rank's trained tokens (algorithms/global_top_fraction.py), so a 2-process update is
+the one-process update of the union batch (labels are per group, and a group never leaves its rank).
 
 Confirmed from the paper (abstract and summaries; the method section could not be read): the gate is the
 base model's own entropy, the loss is contrastive between the base model's right and wrong rollouts of a
@@ -51,7 +53,7 @@ import math
 
 import torch
 
-from anabranch.algorithms.exploration import top_fraction_mask
+from anabranch.algorithms.global_top_fraction import global_top_fraction_mask
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 
 NAME = "reasonmaxxer"
@@ -132,13 +134,14 @@ def check_reasonmaxxer(cfg) -> str | None:
 
 @torch.no_grad()
 def decision_gate(ref_entropy: torch.Tensor, mask: torch.Tensor, top_frac: float,
-                  threshold: float | None = None) -> torch.Tensor:
+                  threshold: float | None = None, dist=None) -> torch.Tensor:
     """g[B, T] in {0, 1}: response tokens whose reference entropy is >= ``threshold``, or (threshold None)
     >= the k-th largest entropy of the ``mask``ed tokens, k = ⌈top_frac · #tokens⌉. Ties at the cutoff are
-    all kept (the gate is a threshold, not a count)."""
+    all kept (the gate is a threshold, not a count). ``dist`` (data parallel): the k-th largest over every
+    rank's masked tokens, k from their total (a collective that every rank calls); None: this batch's."""
     if threshold is not None:
         return ((mask > 0) & (ref_entropy >= threshold)).float()
-    return top_fraction_mask(ref_entropy, mask > 0, top_frac).float()
+    return global_top_fraction_mask(ref_entropy, mask > 0, top_frac, dist).float()
 
 
 def contrast_labels(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -154,16 +157,17 @@ def contrast_labels(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
 
 
 def reasonmaxxer_precompute(cfg, pre: dict, response_mask: torch.Tensor, rewards: torch.Tensor,
-                            group_index: torch.Tensor) -> dict:
+                            group_index: torch.Tensor, dist=None) -> dict:
     """The objective's ``precompute`` hook (trainer/step.py, once per update, before the micro-batches): the
-    gate over the tokens the update trains (``response_mask``) and each row's label over the whole batch,
-    as per-row tensors that the update slices per micro-batch."""
+    gate over the tokens the update trains (``response_mask``; under DDP, ``dist``, over every rank's) and each
+    row's label over the whole batch, as per-row tensors that the update slices per micro-batch."""
     ent = pre.get("ref_entropy")
     if ent is None:
         raise RuntimeError("loss=reasonmaxxer needs the reference model's entropies from the rollout pass "
                            "(trainer/advantage_pass.py), but none were given")
     device = response_mask.device
-    gate = decision_gate(ent.to(device), response_mask, cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold)
+    gate = decision_gate(ent.to(device), response_mask, cfg.reasonmaxxer_top_frac,
+                         cfg.reasonmaxxer_entropy_threshold, dist)
     return {"reasonmaxxer_gate": gate, "reasonmaxxer_label": contrast_labels(rewards.to(device), group_index.to(device))}
 
 

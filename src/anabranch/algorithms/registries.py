@@ -7,8 +7,9 @@
   only those.
   ``ref_entropy``: the reference model's token entropies from the rollout pass, stored as
   ``precomputed["ref_entropy"]`` (ReasonMaxxer's gate).
-  ``precompute=fn(cfg, precomputed, response_mask[B,T], rewards[B], group_index[B]) -> dict`` (optional):
-  called once per update before the micro-batches, with the mask of the tokens the update trains; the
+  ``precompute=fn(cfg, precomputed, response_mask[B,T], rewards[B], group_index[B], dist=None) -> dict``
+  (optional): called once per update before the micro-batches, on every rank, with the mask of the tokens the
+  update trains and ``policy_update``'s ``dist`` (None in one process; a hook may reduce over the ranks); the
   per-row tensors it returns reach the objective as ``ctx.extras``, sliced per micro-batch (batch-wide
   quantities, e.g. ReasonMaxxer's gate and labels, that must not depend on the micro-batch split).
   ``ignores_advantages=True``: the objective never reads its ``advantages`` argument (its labels come from

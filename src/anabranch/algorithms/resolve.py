@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from anabranch.algorithms.aggregation import MODES
+from anabranch.algorithms.alp import alp_modules, alp_needs
 from anabranch.algorithms.er_shaping import build_er_shaping, check_er_shaping
 from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
@@ -123,8 +124,11 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     # ER/ERV/ERA shaping (algorithms/er_shaping.py) reads the last hidden states of the update's forward.
     if cfg.er_shaping_coef > 0:
         needs.add("hidden")
+    # ALP (algorithms/alp.py): π_old must be the unperturbed model's forward; its per-layer σ is an extra head.
+    needs.update(alp_needs(cfg))
     adv_meta, obj_meta = ADVANTAGES.meta(cfg.advantage), OBJECTIVES.meta(cfg.loss)
-    factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg)}
+    factories = {**_meta(ADVANTAGES, cfg.advantage, "modules", cfg), **_meta(OBJECTIVES, cfg.loss, "modules", cfg),
+                 **alp_modules(cfg)}
     aux = tuple(m["aux_loss"] for m in (adv_meta, obj_meta) if m.get("aux_loss") is not None)
     return Algorithm(cfg=cfg, advantage=ADVANTAGES.get(cfg.advantage),
                      objective=OBJECTIVES.get(cfg.loss), needs=frozenset(needs), module_factories=factories,
@@ -268,6 +272,18 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     error = check_brain(cfg)
     if error:
         raise ConfigError(error)
+
+    # OREAL's keys (algorithms/oreal.py): ranges, refused without loss=oreal, and what cannot act with it.
+    from anabranch.algorithms.oreal import check_oreal
+
+    error = check_oreal(cfg)
+    if error:
+        raise ConfigError(error)
+
+    # STEER's token weighting (algorithms/steer.py): its keys' ranges, and refused with another loss.
+    from anabranch.algorithms.steer import raise_if_bad as check_steer
+
+    check_steer(cfg)
 
     # ER/ERV/ERA shaping's keys (algorithms/er_shaping.py).
     error = check_er_shaping(cfg)

@@ -22,7 +22,8 @@ floor-at-least-one count k(m) above; right/wrong is full credit on the correctne
 advantages are the run's estimator on the *whole* group before the split (the group baseline sees
 all n samples, so the priority rows' signs are those of plain GRPO); the buffer's policy (FIFO cap,
 optional age limit, a compensation batch once enough rows wait, rows replayed with the advantages
-and π_old log-probs of their own step) is documented in trainer/rorecomp.py.
+of their own step and the run's clipped ratio π_θ/π_s to the policy π_s that sampled them) is
+documented in trainer/rorecomp.py.
 """
 
 from __future__ import annotations

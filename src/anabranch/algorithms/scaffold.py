@@ -37,6 +37,9 @@ secondary summaries could):
   a group baseline, as an all-wrong group in GRPO);
 - the hint's wording (``algorithm.scaffold.hint_template``) is this library's, placed after the question
   in the user turn as Guide's hint.
+
+``algorithm.scaffold.schedule=irt`` replaces the fixed stages by SEELE's IRT-fitted hint length
+(algorithms/hint_irt.py, trainer/scaffold_irt.py); the hint text and the step are shared.
 """
 
 from __future__ import annotations
@@ -92,11 +95,17 @@ def check_scaffold(cfg) -> str | None:
         if not ok:
             return f"algorithm.scaffold.{key} {why} (got {getattr(s, key)!r})"
     if not s.enabled:
-        for key in ("ratios", "hint_template"):
+        for key in ("ratios", "hint_template", "schedule", "irt_target", "irt_tolerance", "irt_rounds",
+                    "irt_initial_ratio"):
             if getattr(s, key) != getattr(default, key):
                 return (f"config key 'algorithm.scaffold.{key}' has no effect unless algorithm.scaffold.enabled=true "
                         f"(got {getattr(s, key)!r}); set algorithm.scaffold.enabled=true or leave it at its default")
         return None
+    from anabranch.algorithms.hint_irt import check_irt  # SEELE's IRT hint length (schedule=irt)
+
+    error = check_irt(s, default)
+    if error:
+        return error
     if cfg.guide.enabled:
         return ("algorithm.scaffold.enabled with algorithm.guide.enabled: both re-sample the prompts with no correct "
                 "sample with a hint (Guide trains them for the hint-free prompt, scaffolding in the hinted one); "

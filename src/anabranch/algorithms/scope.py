@@ -32,7 +32,10 @@ one with no step below τ has no located error, so neither is rewritten; at most
 samples per group are rewritten, those whose first wrong step comes latest (the largest share of the
 response kept); only a rewrite the reward judges correct replaces its failed sample (the batch keeps its
 size); the prefix tokens are trained as on-policy tokens of the rewritten row (the failed row they came from
-is gone, so they are trained once); the off-policy term is LUFFY's f with γ = 0.1.
+is gone, so they are trained once); the off-policy term is LUFFY's f with γ = 0.1; a salvaged row weighs one
+row of the batch in every ``loss_agg_mode`` (under ``seq-mean-token-mean`` both parts are averaged over the
+row's full token count: algorithms/off_policy_split.py); dynamic sampling is refused, since it would drop the
+all-fail groups (whose failures SCOPE recycles) before SCOPE sees them.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import math
 
 import torch
 
-from anabranch.algorithms.ampo import off_policy_loss_mat, shaped_prob
+from anabranch.algorithms.off_policy_split import split_objective
 
 # Token-level ratio losses: the rectified row's prefix takes the run's objective token by token, its
 # continuation the shaped term; a sequence-level ratio (GSPO) would mix the two inside one weight.
@@ -70,17 +73,11 @@ def prefix_length(step_ends: list[int], wrong: int | None) -> int | None:
 def scope_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off_tokens: torch.Tensor,
                     gamma: float, agg):
     """The micro-batch's loss: the run's ``objective`` on the on-policy tokens plus agg(−f(π_θ)·Â) on the
-    rectifier's tokens (``off_tokens``: [b, R] bool); metrics with ``scope/shaped_prob`` (mean f over the
+    rectifier's tokens (``off_tokens``: [b, R] bool), a salvaged row weighing one row under every loss_agg_mode
+    (algorithms/off_policy_split.py, shared with AMPO); metrics with ``scope/shaped_prob`` (mean f over the
     rectifier's tokens of the micro-batch, 0 without any)."""
-    off = off_tokens.to(mask.device).bool()
-    on_mask, off_mask = mask * (~off).to(mask.dtype), mask * off.to(mask.dtype)
-    loss, metrics = objective(log_prob, old_log_prob, advantage, on_mask, ctx)
-    shaped = 0.0
-    if bool(off_mask.any()):
-        loss = loss + agg(off_policy_loss_mat(log_prob, advantage, gamma), off_mask)
-        with torch.no_grad():
-            f = shaped_prob(log_prob.detach(), gamma)
-            shaped = float((f * off_mask).sum() / off_mask.sum().clamp(min=1))
+    loss, metrics, shaped = split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off_tokens,
+                                            gamma, agg)
     # The key on every micro-batch of every rank (DDP's metric all-reduce needs the same keys everywhere).
     return loss, {**metrics, "scope/shaped_prob": shaped}
 
@@ -129,6 +126,16 @@ def check_scope(cfg) -> str | None:
     if cfg.advantage == "mssr":
         return ("algorithm.scope.enabled with algorithm.advantage='mssr': MSSR's per-prompt success tracker would count "
                 "the rectifier's rewrites as the prompt's own successes; use a group estimator (grpo, rloo, ...)")
+    if cfg.dynamic_sampling:
+        # SCOPE recycles failures, all-fail groups first among them; dynamic sampling drops those groups
+        # before SCOPE sees them, leaving it only the failures of mixed groups.
+        return ("algorithm.scope.enabled with algorithm.dynamic_sampling: dynamic sampling drops the groups whose "
+                "samples are all wrong before SCOPE sees them, the failures it is there to salvage; set "
+                "algorithm.dynamic_sampling=false or algorithm.scope.enabled=false")
+    if isinstance(cfg.prof_keep, int) and cfg.prof_keep > 0:
+        from anabranch.algorithms.prof import with_scope
+
+        return with_scope(cfg.prof_keep)
     if cfg.srpo_coef > 0:
         return ("algorithm.scope.enabled with algorithm.srpo_coef > 0: SRPO would take a rewrite as the failed rows' "
                 "correct sibling; set algorithm.srpo_coef=0 or algorithm.scope.enabled=false")

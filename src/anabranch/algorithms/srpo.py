@@ -37,7 +37,8 @@ its abstract and summaries; SDPO's loss and defaults from its paper and its publ
 - ASSUMED, weighting: exp(−H_T) normalized to mean 1 over the batch's distilled tokens (a softmax
   over tokens, times their count), so that the weighting redistributes the term without changing its
   scale; the distilled tokens are those the update trains (the trained mask after DAPO's overlong
-  filter), and under data parallelism the mean is over each rank's own tokens.
+  filter); under data parallelism the mean is over every rank's distilled tokens (its count, sum and the
+  shift's minimum all-reduced), so a 2-process update is the one-process update of the union batch.
 - Refused: HPT (its groups leave the RL loss, and their distillation with them), Guide (its groups are
   sampled with a hint but trained without it: off-policy for the distillation term), rollout.retry_turns
   >= 2 (a correct sibling's episode holds its failed attempts). Hint scaffolding (GHPO) is accepted: its
@@ -100,15 +101,19 @@ def check_srpo(cfg) -> str | None:
     return None
 
 
-def entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, mode: str, dist=None) -> torch.Tensor:
     """[B, R] ω: exp(−H_T) over the masked tokens normalized to mean 1 (softmax), or the mask (none).
 
-    Zero outside ``mask``. Detached: the weights are the teacher's, not trained."""
+    Zero outside ``mask``. Detached: the weights are the teacher's, not trained. ``dist`` (data parallel,
+    more than one rank): the mean is over every rank's masked tokens, a collective that every rank calls in
+    softmax mode, one without distilled rows too (with [0, R] tensors)."""
     mask = mask.to(torch.float32)
     if mode == "none":
         return mask.clone()
     if mode != "softmax":
         raise ValueError(f"algorithm.srpo_entropy_weight must be one of {ENTROPY_WEIGHTS} (got {mode!r})")
+    if dist is not None and dist.world_size > 1:
+        return _global_entropy_weights(teacher_entropy, mask, dist)
     n = mask.sum()
     if n == 0:
         return torch.zeros_like(mask)
@@ -117,6 +122,21 @@ def entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, mode: str
     h_min = h[mask > 0].min()
     e = torch.exp(-(h - h_min)) * mask
     return e * (n / e.sum())
+
+
+def _global_entropy_weights(teacher_entropy: torch.Tensor, mask: torch.Tensor, dist) -> torch.Tensor:
+    """entropy_weights' softmax over every rank's masked tokens: the shift is the global minimum entropy,
+    the count and the sum of exp(−(H − h_min)) are all-reduced, so each rank's ω is its rows' share of the
+    one-process ω of the union batch (up to float summation order)."""
+    h = teacher_entropy.detach().to(torch.float32)
+    on = mask > 0
+    lo = h[on].min() if bool(on.any()) else torch.tensor(math.inf)
+    h_min, _ = dist.all_reduce_extrema(lo.cpu(), lo.cpu())
+    e = torch.exp(-(h - h_min.to(h.device, torch.float32))) * mask
+    sums = dist.all_reduce_sum(torch.stack([mask.sum(), e.sum()]).to(torch.float64).cpu())
+    if sums[0] == 0:
+        return torch.zeros_like(mask)
+    return e * float(sums[0] / sums[1])
 
 
 def route_advantages(advantages: torch.Tensor, distilled: torch.Tensor) -> torch.Tensor:

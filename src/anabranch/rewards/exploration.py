@@ -25,8 +25,10 @@ Decoupling, and the guard (``check_config``, run at config load): the exploratio
 verifier, and the verifier stays its own source, so accuracy and every "correct" count (dynamic sampling,
 ``eval/accuracy.py``) still read the verifier alone. A run is refused unless ``reward.functions`` holds a
 correctness reward (one registered ``correctness=True``, e.g. ``math_verify``) whose weight exceeds the
-exploration's, and the exploration weight is > 0. With a right/wrong verifier (v ∈ {0, 1}) and e ≤ 1 this makes
-any correct response score above any wrong one, however long: w_v·1 + 0 > 0 + w_ex·1. Exploration can then
+sum of the exploration sources' weights, w_ex = Σ w_ex,j (several ``rlsp_exploration`` entries, e.g. one
+per measure, can all score 1 on the same long answer), and each exploration weight is > 0. With a right/wrong
+verifier (v ∈ {0, 1}) and e ≤ 1 this makes any correct response score above any wrong one, however long:
+w_v·1 + 0 > 0 + w_ex·1. (Other sources, e.g. ``format``, are not part of this guarantee.) Exploration can then
 only reorder responses of the same correctness, so lengthening an answer can never pay more than getting it
 right, which is the reward hacking the verifier is there to prevent. (A partial-credit verifier, e.g.
 ``code_tests``' fraction of tests passed, gets the weaker guarantee that full credit beats none.) The cap
@@ -99,27 +101,32 @@ def check_params(params: dict) -> None:
 
 
 def check_config(cfg) -> None:
-    """At config load: each ``rlsp_exploration`` source's options, and its weight below a correctness reward's
-    (the guard in the module docstring)."""
+    """At config load: each ``rlsp_exploration`` source's options and weight, and the exploration weights'
+    *sum* below a correctness reward's weight (the guard in the module docstring: every exploration source
+    can score 1 on the same long wrong answer, so together they must stay below what a correct one earns)."""
     import anabranch.rewards  # noqa: F401 - registers the built-in rewards, so their correctness flag is known
 
     items = list(cfg.reward.functions)
     verifiers = [f for f in items if f.name in REWARDS and REWARDS.meta(f.name).get("correctness")]
-    for f in items:
-        if f.name != NAME:
-            continue
+    explorers = [f for f in items if f.name == NAME]
+    for f in explorers:
         check_params(dict(f.params))
         if not (isinstance(f.weight, (int, float)) and math.isfinite(f.weight) and f.weight > 0):
             raise ConfigError(f"reward.functions[{NAME}].weight must be > 0 (got {f.weight!r}); a length penalty "
                               "is target_length or overlong_penalty, not an exploration reward")
-        top = max((v.weight for v in verifiers), default=None)
-        if top is None or not top > f.weight:
-            have = f"its largest weight is {top}" if top is not None else "there is none"
-            raise ConfigError(f"reward.functions[{NAME}] (weight {f.weight}) needs a correctness reward with a larger "
-                              f"weight in reward.functions ({have}), so that no amount of exploration outscores a "
-                              f"correct answer: e.g. [{{name: math_verify, weight: 1.0}}, {{name: {NAME}, weight: 0.2}}] "
-                              f"(the paper's α·correct + (1 − α)·exploration is math_verify weight α, {NAME} 1 − α, "
-                              f"α > 0.5)")
+    if not explorers:
+        return
+    total = sum(f.weight for f in explorers)
+    top = max((v.weight for v in verifiers), default=None)
+    if top is None or not top > total:
+        have = f"its largest weight is {top}" if top is not None else "there is none"
+        weight = (f"weight {total}" if len(explorers) == 1 else
+                  f"{len(explorers)} entries, weights {' + '.join(str(f.weight) for f in explorers)} = {total}")
+        raise ConfigError(f"reward.functions[{NAME}] ({weight}) needs a correctness reward with a larger weight "
+                          f"than the exploration weights' sum in reward.functions ({have}), so that no amount of "
+                          f"exploration outscores a correct answer: e.g. [{{name: math_verify, weight: 1.0}}, "
+                          f"{{name: {NAME}, weight: 0.2}}] (the paper's α·correct + (1 − α)·exploration is "
+                          f"math_verify weight α, {NAME} 1 − α, α > 0.5)")
 
 
 @REWARDS.register(NAME, check_params=check_params)

@@ -44,14 +44,24 @@ def tis_weights(old_lp: torch.Tensor, sampler_lp: torch.Tensor, cap: float) -> t
 
 
 def sampler_correction(old_lp: torch.Tensor, sampler_lp: torch.Tensor | None, mask: torch.Tensor,
-                       advantages: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mismatch metrics, and the advantages scaled by TIS weights when ``cap > 0``."""
+                       advantages: torch.Tensor, cap: float,
+                       stale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mismatch metrics, and the advantages scaled by TIS weights when ``cap > 0``.
+
+    ``stale_rows`` ([B] bool, optional): rows sampled at an earlier step (RoRecomp's replayed rows,
+    trainer/rorecomp.py). They are left out of the metrics and keep weight 1: what is measured and
+    corrected here is the engine-vs-trainer mismatch of this step's own samples."""
     if sampler_lp is None:
         return advantages, {}
     sampler_lp = sampler_lp.to(old_lp.device)
+    fresh = None if stale_rows is None else ~stale_rows.to(old_lp.device).bool()[:, None]
+    if fresh is not None:
+        mask = mask * fresh
     metrics = mismatch_metrics(old_lp, sampler_lp, mask)
     if cap > 0:
         w = tis_weights(old_lp, sampler_lp, cap)
+        if fresh is not None:
+            w = torch.where(fresh, w, torch.ones_like(w))
         m = mask.bool()
         if m.any():
             metrics["mismatch/tis_weight_mean"] = w[m].mean().item()

@@ -3,8 +3,8 @@
 Each step, after the rollouts are scored: the groups with no correct sample are sampled again with
 the hint in the prompt, scored against the same row, and put in place of the failed group with the
 hint-free prompt's tokens as their context; their behaviour log-probs (the current policy on the
-hinted context, before the update) go to ``policy_update`` as ``precomputed["guide_behaviour_log_prob"]``
-and ``["guide_rows"]``, where trainer/step.py makes them the guided rows' π_old.
+hinted context, before the update) go to ``policy_update`` as ``precomputed["behaviour_log_prob"]``
+and ``["behaviour_rows"]``, where trainer/step.py makes them the guided rows' π_old.
 
 Under data parallelism each rank guides its own groups (groups never cross ranks), so ranks may
 generate unequal numbers of samples; the loss normalizers are all-reduced in ``policy_update``
@@ -54,7 +54,7 @@ class GuideStep:
         """``pre`` (policy_update's precomputed tensors) with the guided rows' behaviour log-probs."""
         if self.guided_rows is None:
             return pre
-        return {**pre, "guide_behaviour_log_prob": self.behaviour_log_prob, "guide_rows": self.guided_rows}
+        return {**pre, "behaviour_log_prob": self.behaviour_log_prob, "behaviour_rows": self.guided_rows}
 
 
 class Guide:

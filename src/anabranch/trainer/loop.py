@@ -35,6 +35,7 @@ from anabranch.trainer.prompt_pairing import PromptPairing
 from anabranch.trainer.curation import Curation
 from anabranch.trainer.rehearsal import Rehearsal
 from anabranch.trainer.hpt_step import HPT, combine_extra_losses
+from anabranch.trainer.recap_step import Recap
 from anabranch.trainer.guide_step import Guide
 from anabranch.trainer.scaffold_step import Scaffold
 from anabranch.trainer.ampo_step import AMPO
@@ -100,6 +101,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     if rehearsal is not None:
         sampler = rehearsal.wrap_sampler(sampler)
     hpt = HPT.create(cfg, dist, c)  # HPT (trainer/hpt_step.py): None unless algorithm.hpt.enabled
+    recap = Recap.create(cfg, dist, c)  # RECAP (trainer/recap_step.py): None unless algorithm.recap.enabled
     guide = Guide.create(cfg, dist, c)  # Guide (trainer/guide_step.py): None unless algorithm.guide.enabled
     scaffold = Scaffold.create(cfg, dist, c)  # GHPO (trainer/scaffold_step.py): None unless algorithm.scaffold.enabled
     ampo = AMPO.create(cfg, dist, c)  # AMPO (trainer/ampo_step.py): None unless algorithm.ampo.enabled
@@ -152,6 +154,10 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                   **({"mssr_tracker": mssr_tracker} if mssr_tracker is not None else {}),
                                   **({"ref_reset": ref_reset} if ref_reset is not None else {}),
                                   **({"rorecomp": rorecomp} if rorecomp is not None else {}),  # its replay buffer
+                                  # SEELE's stored per-prompt hint ratios (scaffold.schedule=irt, algorithms/hint_irt.py)
+                                  **({"scaffold_irt": scaffold.irt} if scaffold is not None and scaffold.irt is not None
+                                     else {}),
+                                  **({"recap": recap} if recap is not None else {}),  # RECAP's loss histories
                                   # ER/ERV/ERA shaping's EMA baselines (algorithms/er_shaping.py)
                                   **({"er_shaping": c.algo.er_shaping} if c.algo.er_shaping is not None else {}),
                                   # SIREN's entropy anchor (algorithms/siren.py)
@@ -239,6 +245,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             if rltf_sd is not None:
                 parts.append((rltf_sd, rltf_sd.step(rollout)))
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
+            if recap is not None:  # RECAP: this step's weights (from the steps before), its replay rows
+                parts.append((recap, recap.step(step, batch, c.rewards)))
             if kdrl is not None:
                 parts.append((kdrl, kdrl.step(step, batch, rollout, c.rewards, micro_tokens)))
             # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term
@@ -253,7 +261,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             update_rewards = rewards
             if rorecomp is not None:  # RoRecomp: the priority rows (+ a due compensation batch) train; the rest wait
                 train_rollout, advantages, precomputed, update_rewards = rorecomp.step(
-                    batch, train_rollout, advantages, precomputed, rewards, step)
+                    batch, train_rollout, advantages, precomputed, rewards, step, micro_tokens)
             # Extra loss terms (DPH-RL, HPT, RL-PLUS, RLTF-SD): under DDP every rank builds each, as they all-reduce
             extra_loss = combine_extra_losses(
                 None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
@@ -270,6 +278,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 zero_advantage_rows=cfg.trainer.zero_advantage_rows,
                 oom_retry=gpu_budget is not None,  # a measured budget that proves too large is halved
                 extra_loss=extra_loss,
+                rl_loss_scale=1.0 if recap is None else recap.rl_scale,  # RECAP's λ_rl / K
             )
         if gpu_budget is not None:
             gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
@@ -292,6 +301,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             peak = gpu_budget.run_peak() if gpu_budget is not None else torch.cuda.max_memory_allocated(c.device)
             metrics["memory/gpu_peak_gib"] = peak / 2**30
         metrics = dist.mean_metrics(metrics)
+        if recap is not None:  # RECAP: the step's tracked losses (averaged over ranks) join the history
+            metrics.update(recap.observe(metrics))
         metrics.update(rollout_metrics(*dist.gather_rollout(rewards, per_source, rollout), acc_src))
         if pairing is not None:  # pairing/...: the pairs' pre-pass success rates, this step's q+/q− accuracy
             metrics.update(pairing.step_metrics(batch, c.rewards))

@@ -12,23 +12,35 @@ method text was not available):
 
 * what enters: the non-priority rows whose advantage is non-zero on a trained token (a row with no
   advantage carries no policy-gradient signal), with their own step's advantages and precomputed
-  tensors (π_old and π_ref log-probs, values): a replayed row is trained as an off-policy sample of
-  its step, the ratio π_θ/π_old clipped by the loss as any stale row;
+  tensors (π_old and π_ref log-probs, values) and their **behaviour log-probs** log π_s(o_t) of the
+  policy that sampled them at step s: the precomputed ``old_log_prob`` when the run has one
+  (ppo_epochs > 1, ...), otherwise a no-grad pass of the trainer's model over those rows before the
+  update (the same π_old for the HF and vLLM backends; the engine's own log-probs would carry its
+  numeric mismatch into the ratio);
+* replay: a replayed row trains with the run's clipped ratio r_t = π_θ(o_t)/π_s(o_t) (trainer/step.py's
+  ``behaviour_log_prob`` / ``behaviour_rows``, the mechanism Guide's guided rows use), so the update on
+  stale samples is corrected and clipped like any off-policy row; it stays out of this step's sampler
+  mismatch metrics and TIS weight (``stale_rows``, rollout/importance.py), which measure the engine vs
+  the trainer on this step's own samples;
 * age: with ``rorecomp_max_age`` A > 0 a row born at step s is dropped at step s + A + 1 untrained;
-* compensation: at the start of a step, when at least ``rorecomp_compensation_rows`` K rows wait
-  (0: K = prompts_per_step × n, one step's batch), the K oldest leave the buffer and train in this
-  step; rows of the current step never replay in the step that sampled them;
+* compensation: at the start of a step, when at least K rows wait (``rorecomp_compensation_rows``;
+  0: one step's batch, prompts_per_step × the group size, n or PROF's ``prof_keep``), the K oldest
+  leave the buffer and train in this step; rows of the current step never replay in the step that
+  sampled them;
 * cap: after the step's rows enter, the oldest rows beyond ``rorecomp_buffer_size`` are dropped.
 
-Checkpoint/resume: the buffer is stateful ``rorecomp`` in ``trainer_state.pt``. Under DDP every rank
-keeps its own buffer (its own groups): ``state_dict`` gathers every rank's and each rank restores its
-own (rank mod the saved count), so a resumed run replays what the uninterrupted one would have.
-Sharded training (FSDP / ZeRO-3) is refused: ranks would train different numbers of rows.
+Under DDP (W processes) K and the buffer size are global numbers like prompts_per_step: every rank
+keeps its own buffer (its own groups) of ⌈size/W⌉ rows and replays ⌈K/W⌉ at a time (``per_rank``).
+Checkpoint/resume: the buffer is stateful ``rorecomp`` in ``trainer_state.pt``: ``state_dict`` gathers
+every rank's and each rank restores its own (rank mod the saved count), so a resumed run replays what
+the uninterrupted one would have. Sharded training (FSDP / ZeRO-3) is refused: ranks would train
+different numbers of rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,6 +49,7 @@ from anabranch.algorithms.rorecomp import priority_mask
 from anabranch.config import ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rollout.base import Rollout
+from anabranch.trainer.advantage_pass import rollout_forward
 from anabranch.trainer.collect import ScoredBatch, concat_batches
 
 # Objectives that match a distribution over each group's unbiased draws (or need whole groups):
@@ -61,9 +74,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"algorithm.rorecomp_compensation_rows={k} exceeds algorithm.rorecomp_buffer_size="
                           f"{a.rorecomp_buffer_size}: no compensation batch could ever be due; raise the buffer "
                           "size or lower the compensation rows")
-    if cfg.rollout.n < 4:
-        raise ConfigError(f"algorithm.rorecomp_fraction > 0 needs rollout.n >= 4 (got {cfg.rollout.n}): with fewer "
-                          "samples per group every response is in the priority batch and nothing is recomposed")
+    if group_size(cfg) < 4:
+        raise ConfigError(f"algorithm.rorecomp_fraction > 0 needs groups of >= 4 samples (got {group_size(cfg)}: "
+                          f"rollout.n={cfg.rollout.n}, algorithm.prof_keep={a.prof_keep}): with fewer every response "
+                          "is in the priority batch and nothing is recomposed; raise rollout.n (and prof_keep, which "
+                          "cuts each group to prof_keep rows before RoRecomp sees it)")
     loss = a.loss or a.name
     if loss in _DISTRIBUTION_LOSSES or a.name in _DISTRIBUTION_LOSSES:
         raise ConfigError(f"algorithm.rorecomp_fraction > 0 with {loss}: its objective matches a distribution over "
@@ -71,7 +86,7 @@ def check_config(cfg) -> None:
                           "bias; use grpo/dapo-style losses (ppo_clip, ...) or set algorithm.rorecomp_fraction=0")
     rebuilders = [("algorithm.guide.enabled", a.guide.enabled), ("algorithm.scaffold.enabled", a.scaffold.enabled),
                   ("algorithm.ampo.enabled", a.ampo.enabled), ("algorithm.hpt.enabled", a.hpt.enabled),
-                  ("algorithm.rl_plus.enabled", a.rl_plus.enabled),
+                  ("algorithm.rl_plus.enabled", a.rl_plus.enabled), ("algorithm.scope.enabled", a.scope.enabled),
                   ("algorithm.calibrl.enabled", bool(getattr(getattr(a, "calibrl", None), "enabled", False))),
                   ("algorithm.kdrl.teacher", bool(a.kdrl.teacher)),
                   ("algorithm.srpo_coef > 0", a.srpo_coef > 0), ("algorithm.spae_coef > 0", a.spae_coef > 0),
@@ -85,10 +100,21 @@ def check_config(cfg) -> None:
                               f"change; turn one of them off (algorithm.rorecomp_fraction=0)")
 
 
+def group_size(cfg) -> int:
+    """The samples per prompt that reach RoRecomp: PROF's ``prof_keep`` m when set (collect.py cuts each
+    group of n to m before the advantages), else ``rollout.n``."""
+    return cfg.algorithm.prof_keep or cfg.rollout.n
+
+
 def compensation_rows(cfg) -> int:
-    """K: ``rorecomp_compensation_rows``, or one step's batch (prompts_per_step × n) when 0."""
+    """K (global): ``rorecomp_compensation_rows``, or one step's batch (prompts_per_step × group size) when 0."""
     k = cfg.algorithm.rorecomp_compensation_rows
-    return k if k > 0 else cfg.rollout.prompts_per_step * cfg.rollout.n
+    return k if k > 0 else cfg.rollout.prompts_per_step * group_size(cfg)
+
+
+def per_rank(rows: int, world_size: int) -> int:
+    """A global row count's share on one of ``world_size`` ranks (each rank buffers its own groups)."""
+    return math.ceil(rows / max(world_size, 1))
 
 
 @dataclasses.dataclass
@@ -182,7 +208,12 @@ def _pad_right(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def merge(chunks: list[Chunk]) -> Chunk:
     """One training set of several chunks: prompts re-left-padded, responses and per-token tensors
-    re-right-padded (trainer/collect.concat_batches for the rollout)."""
+    re-right-padded (trainer/collect.concat_batches for the rollout). Every chunk must hold the same
+    precomputed keys: a key some rows lack cannot be filled in for them."""
+    keys = [sorted(c.precomputed) for c in chunks]
+    if any(k != keys[0] for k in keys):
+        raise RuntimeError(f"RoRecomp: the rows to train carry different precomputed tensors ({keys}); a method that "
+                           "adds a key on some steps only cannot be combined with RoRecomp's replay")
     if len(chunks) == 1:
         return chunks[0]
     batches = [ScoredBatch(c.rollout, [None] * len(c), c.rewards.tolist(), {}) for c in chunks]
@@ -204,11 +235,15 @@ class Recomposed(NamedTuple):
 class RoRecomp:
     """What the loop holds for RoRecomp: the buffer (stateful ``rorecomp``) and the per-step recomposition."""
 
-    def __init__(self, cfg, sources, dist=None):
+    def __init__(self, cfg, sources, dist=None, model=None):
         a = cfg.algorithm
-        self.fraction, self.k = a.rorecomp_fraction, compensation_rows(cfg)
-        self.sources, self.dist = sources, dist
-        self.buffer = ReplayBuffer(a.rorecomp_buffer_size, a.rorecomp_max_age)
+        world = 1 if dist is None else dist.world_size
+        self.fraction, self.k = a.rorecomp_fraction, per_rank(compensation_rows(cfg), world)
+        self.sources, self.dist, self.model = sources, dist, model
+        self.buffer = ReplayBuffer(per_rank(a.rorecomp_buffer_size, world), a.rorecomp_max_age)
+        # The behaviour pass (buffer entry without a precomputed old_log_prob) runs as advantage_pass's π_old pass.
+        self.micro, self.temperature = cfg.trainer.micro_batch_size, cfg.rollout.temperature
+        self.share_prefix = cfg.trainer.share_prompt_prefix
 
     @classmethod
     def create(cls, cfg, dist=None, c=None) -> "RoRecomp | None":
@@ -223,11 +258,25 @@ class RoRecomp:
 
         require_plain_ddp(dist, f"algorithm.rorecomp_fraction={cfg.algorithm.rorecomp_fraction}", "RoRecomp's ranks "
                           "train different numbers of rows", "algorithm.rorecomp_fraction=0")
-        return cls(cfg, None if c is None else c.rewards, dist)
+        return cls(cfg, None if c is None else c.rewards, dist, None if c is None else c.model)
+
+    def behaviour_log_prob(self, rows: Rollout, precomputed: dict, micro_tokens: int = 0) -> torch.Tensor:
+        """[len(rows), R] log π_s of the rows' tokens under the policy that sampled them, before this step's
+        update: ``precomputed["old_log_prob"]`` (already taken for ``rows``) or a no-grad pass of the model."""
+        if "old_log_prob" in precomputed:
+            return precomputed["old_log_prob"]
+        if self.model is None:
+            raise RuntimeError("RoRecomp needs the policy model (RoRecomp.create(cfg, dist, c)) to record the "
+                               "behaviour log-probs of the rows it buffers")
+        with torch.no_grad():
+            lp, _ = rollout_forward(self.model, rows, self.micro, self.temperature, share_prefix=self.share_prefix,
+                                    micro_batch_tokens=micro_tokens)
+        return lp.float().cpu()
 
     def step(self, batch: ScoredBatch, train_rollout: Rollout, advantages: torch.Tensor, precomputed: dict,
-             rewards: torch.Tensor, step: int) -> Recomposed:
-        """This step's training rows; the step's metrics go into ``batch.metrics`` (rorecomp/...)."""
+             rewards: torch.Tensor, step: int, micro_tokens: int = 0) -> Recomposed:
+        """This step's training rows; the step's metrics go into ``batch.metrics`` (rorecomp/...).
+        ``micro_tokens``: the update's micro-batch token budget, for the behaviour pass."""
         n = int(rewards.shape[0])
         correct = torch.tensor(batch_correct(batch, self.sources), dtype=torch.bool)
         lengths = batch.rollout.response_lengths  # before DAPO's overlong filter empties truncated masks
@@ -238,8 +287,19 @@ class RoRecomp:
         due = self.buffer.pop(self.k) if len(self.buffer) >= self.k else []
         rest = [i for i in range(n) if not prio[i]
                 and bool((advantages[i].cpu() * train_rollout.trained_mask[i].cpu()).abs().sum() > 0)]
-        self.buffer.add(whole.take(rest))
-        out = merge([whole.take(torch.nonzero(prio).flatten().tolist()), *due])
+        entering = whole.take(rest)
+        if rest:  # marked as replayed rows, with the π_old of this step (trainer/step.py's behaviour rows)
+            lp = self.behaviour_log_prob(entering.rollout, entering.precomputed, micro_tokens)
+            entering.precomputed.update(behaviour_log_prob=lp, behaviour_rows=torch.ones(len(rest), dtype=torch.bool),
+                                        stale_rows=torch.ones(len(rest), dtype=torch.bool))
+        self.buffer.add(entering)
+        fresh = whole.take(torch.nonzero(prio).flatten().tolist())
+        if due:  # fresh rows: their own π_old and this step's sampler correction, as without RoRecomp
+            width = fresh.rollout.response_ids.shape[1]
+            fresh.precomputed.update(behaviour_log_prob=torch.zeros(len(fresh), width),
+                                     behaviour_rows=torch.zeros(len(fresh), dtype=torch.bool),
+                                     stale_rows=torch.zeros(len(fresh), dtype=torch.bool))
+        out = merge([fresh, *due])
         batch.metrics.update(self._metrics(prio, correct, lengths.float(), sum(len(d) for d in due), expired))
         return Recomposed(out.rollout, out.advantages, out.precomputed, out.rewards)
 

@@ -6,13 +6,18 @@ stage-1 hint (the first ω_1 of their reference solution after the question), sc
 row; those still without a correct sample go to the next stage's ω, up to the last. Each hinted group
 then takes the failed group's place *with its hinted prompt tokens*, so the update's forward, π_old and
 the advantages all see the hinted context: nothing is passed to ``policy_update`` beyond the batch.
+With ``algorithm.scaffold.schedule=irt`` (SEELE, trainer/scaffold_irt.py) the groups below an accuracy
+band are hinted instead, each round at the ratio an IRT fit of the group's accuracy predicts for the
+target; the fit's stored per-prompt ratios are checkpointed (``Scaffold.irt``, the loop's stateful).
 
 Under data parallelism each rank hints its own groups (groups never cross ranks), so ranks may generate
 unequal numbers of samples, as Guide's (trainer/guide_step.py). The logged numbers are global (counts
 summed over ranks): ``scaffold/hinted_groups`` (the fraction of the step's groups trained with a hint),
 ``scaffold/hint_ratio`` (the mean ω those groups were trained with; 0 when none) and
 ``scaffold/pre_accuracy`` (the fraction of the step's own samples that were correct, before the hinted
-groups replaced theirs).
+groups replaced theirs); with schedule=irt also ``scaffold/irt_accuracy`` (the hinted groups' trained,
+last-round accuracy: near irt_target when the fit works) and ``scaffold/irt_rounds`` (hinted rounds per
+hinted group).
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import dataclasses
 import torch
 
 from anabranch.algorithms.guide import all_fail_groups, hinted_prompt, question_text
+from anabranch.algorithms.hint_irt import HintIRT
 from anabranch.algorithms.scaffold import scaffold_hint
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
 from anabranch.trainer.guide_step import HintedPrompts, own_flags
+from anabranch.trainer.scaffold_irt import irt_rounds
 
 
 @dataclasses.dataclass
@@ -37,7 +44,8 @@ class ScaffoldStep:
     batch: ScoredBatch
     metrics: dict
     # [B] 1.0/0.0 per trained row: its prompt's own samples' right/wrong before the hinted groups replaced
-    # the failed ones (0 on a hinted row); the loop's task mixture counts these, not the hinted successes.
+    # the failed ones (a hinted row: its group's own samples', in order); the loop's task mixture counts
+    # these, not the hinted successes.
     pre_correct: list[float]
 
 
@@ -47,6 +55,8 @@ class Scaffold:
     def __init__(self, cfg: Config, dist=None):
         self.cfg, self.s, self.dist = cfg, cfg.algorithm.scaffold, dist
         self.world_size = getattr(dist, "world_size", 1) or 1
+        # SEELE's IRT-fitted hint length (schedule=irt, algorithms/hint_irt.py); None: GHPO's fixed stages.
+        self.irt = HintIRT(self.s) if self.s.schedule == "irt" else None
 
     @classmethod
     def create(cls, cfg: Config, dist, c) -> "Scaffold | None":
@@ -62,13 +72,25 @@ class Scaffold:
         check_rows(c.train_rows, c.train_prompts, cfg)
         return cls(cfg, dist)
 
-    def hinted_prompts(self, batch: ScoredBatch, groups: list[int], ratio: float) -> tuple[list[str], list[dict]]:
-        """The prompts of ``groups`` with the hint at ``ratio`` after the question, and the groups' rows."""
+    def hinted_prompts(self, batch: ScoredBatch, groups: list[int], ratios: list[float]) -> tuple[list[str], list[dict]]:
+        """The prompts of ``groups`` with the hint at each one's ratio after the question, and the groups' rows."""
         first = {g: int((batch.rollout.group_index == g).nonzero()[0]) for g in groups}
         rows = [batch.rows[first[g]] for g in groups]
-        hints = [scaffold_hint(r, ratio, self.s.hint_template) for r in rows]
+        hints = [scaffold_hint(r, ratio, self.s.hint_template) for r, ratio in zip(rows, ratios)]
         prompts = [hinted_prompt(batch.rollout.prompts[g], question_text(r), h) for g, r, h in zip(groups, rows, hints)]
         return prompts, rows
+
+    def sample_hinted(self, c, batch: ScoredBatch, groups: list[int], ratios: list[float], step) -> ScoredBatch:
+        """``rollout.n`` scored samples of each of ``groups``' hinted prompts (group k: ``groups[k]``)."""
+        prompts, rows = self.hinted_prompts(batch, groups, ratios)
+        # n given: plain rollout.n samples of each hinted prompt, also in CURE's stage 1 (whose branching
+        # applies to the step's own prompts only; a group of n plain samples keeps its size).
+        hinted = generate_scored(HintedPrompts(c, prompts, rows), list(range(len(groups))), self.cfg, step,
+                                 n=self.cfg.rollout.n)
+        # Hinted answers are not the policy's own on these prompts: OLR's histories and LASER-D's length
+        # statistics (stateful rewards) must not learn from them.
+        discard_reward_observations(c.rewards)
+        return hinted
 
     def step(self, c, batch: ScoredBatch, step: int | None = None) -> ScaffoldStep:
         """``batch`` with each all-fail group replaced by its hinted samples (the last stage it reached), and
@@ -78,33 +100,33 @@ class Scaffold:
         n_groups = len(batch.rollout.prompts)
         trained: dict[int, tuple[ScoredBatch, int, float]] = {}  # group -> (hinted batch, its group there, ω)
         pending, t_gen = list(failed), 0.0
-        for ratio in self.s.ratios:  # GHPO's stages: a group still all wrong is hinted again at the next ω
+        for ratio in self.s.ratios if self.irt is None else ():  # GHPO's stages: still all wrong -> the next ω
             if not pending:
                 break
-            prompts, rows = self.hinted_prompts(batch, pending, ratio)
-            # n given: plain rollout.n samples of each hinted prompt, also in CURE's stage 1 (whose branching
-            # applies to the step's own prompts only; a group of n plain samples keeps its size).
-            hinted = generate_scored(HintedPrompts(c, prompts, rows), list(range(len(pending))), self.cfg, step,
-                                     n=self.cfg.rollout.n)
-            # Hinted answers are not the policy's own on these prompts: OLR's histories and LASER-D's length
-            # statistics (stateful rewards) must not learn from them.
-            discard_reward_observations(c.rewards)
+            hinted = self.sample_hinted(c, batch, pending, [ratio] * len(pending), step)
             t_gen += hinted.t_generate
             solved = torch.tensor(batch_correct(hinted, c.rewards))
             still = set(all_fail_groups(solved, hinted.rollout.group_index))
             for k, g in enumerate(pending):
                 trained[g] = (hinted, k, float(ratio))
             pending = [g for k, g in enumerate(pending) if k in still]
+        if self.irt is not None:  # SEELE: groups below the accuracy band, each at its IRT-fitted ratio
+            trained, t_gen, irt_sums = irt_rounds(self, c, batch, correct, step)
         out = batch if not trained else replace_groups(batch, trained, t_gen)
         # The policy's own successes, counted before the replacement: the logged reward then measures the
         # hinted samples of the hinted groups, so this is the step's accuracy without them.
         counts = torch.tensor([float(len(trained)), float(n_groups), sum(w for _, _, w in trained.values()),
-                               float(sum(correct)), float(len(correct))], dtype=torch.float64)
+                               float(sum(correct)), float(len(correct)),
+                               *((irt_sums["accuracy"], irt_sums["rounds"]) if self.irt is not None else ())],
+                              dtype=torch.float64)
         if self.world_size > 1:  # global numbers on every rank (mean_metrics then averages equal values)
             counts = self.dist.all_reduce_sum(counts)
-        k, n, w, pre_ok, pre_tot = counts.tolist()
+        k, n, w, pre_ok, pre_tot, *irt_counts = counts.tolist()
         out.metrics = {**out.metrics, "scaffold/hinted_groups": k / max(n, 1.0),
                        "scaffold/hint_ratio": w / max(k, 1.0), "scaffold/pre_accuracy": pre_ok / max(pre_tot, 1.0)}
+        if irt_counts:  # SEELE: the hinted groups' trained (last-round) accuracy and the rounds they took
+            out.metrics.update({"scaffold/irt_accuracy": irt_counts[0] / max(k, 1.0),
+                                "scaffold/irt_rounds": irt_counts[1] / max(k, 1.0)})
         return ScaffoldStep(out, out.metrics, own_flags(correct, batch.rollout.group_index, out.rollout.group_index))
 
 

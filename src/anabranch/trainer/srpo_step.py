@@ -112,10 +112,12 @@ class SRPOStep:
 class SRPO:
     """What the training loop holds for SRPO: the config and tokenizer; :meth:`step` runs each step."""
 
-    def __init__(self, cfg: Config, tokenizer, stop_ids=()):
+    def __init__(self, cfg: Config, tokenizer, stop_ids=(), dist=None):
         # The backend's stop ids (hf/vllm ``eos_ids``: the tokenizer's EOS and the generation config's, e.g.
         # <|im_end|> beside <|endoftext|>); a sibling ends with any of them.
         self.cfg, self.tokenizer = cfg, tokenizer
+        # The run's Distributed.active (None in one process): ω's normalizer is then over every rank's tokens.
+        self.dist = dist
         self.stop_ids = sorted({*stop_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
 
     @classmethod
@@ -130,14 +132,16 @@ class SRPO:
         if cfg.rollout.tools:
             raise ConfigError("algorithm.srpo_coef > 0 with rollout.tools: a response with tool outputs inside is not "
                               "one continuation of the policy to distil; set algorithm.srpo_coef=0 or rollout.tools=[]")
-        return cls(cfg, c.tokenizer, getattr(getattr(c, "backend", None), "eos_ids", None) or ())
+        return cls(cfg, c.tokenizer, getattr(getattr(c, "backend", None), "eos_ids", None) or (),
+                   dist=getattr(dist, "active", None))
 
     def step(self, model, batch, rollout: Rollout, sources, micro_batch_tokens: int = 0,
              trained_mask: torch.Tensor | None = None) -> SRPOStep:
         """Routing and the self-teacher's log-probs for ``rollout`` (the scored ``batch``'s).
 
         ``trained_mask``: [B, R] the tokens the update trains (train_rollout's, after DAPO's overlong
-        filter); ω is normalized over it on the distilled rows. Default: ``rollout.trained_mask``."""
+        filter); ω is normalized over it on the distilled rows (of every rank under DDP: then a collective
+        that every rank calls, one without distilled rows too). Default: ``rollout.trained_mask``."""
         trained = rollout.trained_mask if trained_mask is None else trained_mask
         a, t = self.cfg.algorithm, self.cfg.trainer
         correct = torch.tensor(batch_correct(batch, sources), dtype=torch.bool)
@@ -158,10 +162,12 @@ class SRPO:
             distilled[idx] = True
             teacher_lp[idx] = lp
             m = trained[idx].float()  # the tokens actually distilled
-            weight[idx] = a.srpo_coef * entropy_weights(ent, m, a.srpo_entropy_weight)
+            weight[idx] = a.srpo_coef * entropy_weights(ent, m, a.srpo_entropy_weight, self.dist)
             h_mean = float((ent * m).sum() / m.sum().clamp(min=1))
         else:
             h_mean = 0.0
+            if self.dist is not None and self.dist.world_size > 1:  # the other ranks' ω normalizer collectives
+                entropy_weights(torch.zeros(0, width), torch.zeros(0, width), a.srpo_entropy_weight, self.dist)
         metrics = {"srpo/distilled_frac": distilled.float().mean().item(),
                    "srpo/sibling_feedback_frac": kinds.count("sibling") / b,
                    "srpo/teacher_entropy": h_mean}

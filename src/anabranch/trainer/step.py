@@ -30,6 +30,7 @@ from anabranch.algorithms.guide import behaviour_old_log_prob
 from anabranch.algorithms.ampo import ampo_objective
 from anabranch.algorithms.scope import scope_objective
 from anabranch.algorithms.calibrl import calibrl_loss
+from anabranch.algorithms.alp import alp_context, alp_metrics
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
 from anabranch.rollout.base import Rollout
@@ -74,7 +75,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                   params: list | None = None, precomputed: dict | None = None,
                   kl_coef: float | None = None, dist=None, micro_batch_tokens: int = 0,
                   share_prompt_prefix: bool = True, zero_advantage_rows: str = "forward",
-                  extra_loss: Callable[[], dict] | None = None, oom_retry: bool = False) -> dict[str, float]:
+                  extra_loss: Callable[[], dict] | None = None, oom_retry: bool = False,
+                  rl_loss_scale: float = 1.0) -> dict[str, float]:
     """``micro_batch_tokens > 0`` packs micro-batches by a token budget (trainer/microbatch.py);
     ``share_prompt_prefix`` runs each prompt once for the rows that share it, where the model
     allows (models/shared_prefix.py; same results, fewer tokens computed);
@@ -90,7 +92,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     all-reduce; it runs its own forward and backward (into the same gradient, for the same optimizer
     step), already scaled for DDP's average over ranks, and returns its metrics;
     ``oom_retry``: on a CUDA out-of-memory error in an epoch's passes, run the epoch again in
-    micro-batches of half the largest one's tokens (one process; trainer/gpu_budget.py's auto budget)."""
+    micro-batches of half the largest one's tokens (one process; trainer/gpu_budget.py's auto budget);
+    ``rl_loss_scale``: a factor on the batch's loss in its backward only (RECAP's λ_rl / K,
+    trainer/recap_step.py; the logged loss stays unscaled)."""
     cfg = algo.cfg
     pre = precomputed or {}
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
@@ -148,13 +152,17 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
     extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
     if algo.precompute is not None:  # the objective's batch-wide inputs, over the tokens this update trains
-        extras.update(algo.precompute(cfg, pre, resp_mask, rewards, rollout.group_index))
+        # dist: a hook may reduce over every rank's batch (ReasonMaxxer's global gate); a collective on every rank.
+        extras.update(algo.precompute(cfg, pre, resp_mask, rewards, rollout.group_index, dist=dist))
     # DSDR's local term (algorithms/dsdr.py): per-row weights γ_i/N_C from the rollout's scoring.
     dsdr_w = pre.get("dsdr_weight") if cfg.dsdr_local_coef != 0 else None
     # KDRL (algorithms/kdrl.py, trainer/kdrl_step.py): the teacher's log-probs and each row's β_s·w_i.
     kd_lp, kd_w = pre.get("teacher_log_prob"), pre.get("kdrl_weight")
-    # Guide (algorithms/guide.py, trainer/guide_step.py): the guided rows' log π_old(o_t | q, h, o_<t).
-    guide_lp, guide_rows = pre.get("guide_behaviour_log_prob"), pre.get("guide_rows")
+    # Rows trained against their own behaviour policy's log-probs (algorithms/guide.py:behaviour_old_log_prob):
+    # Guide's guided rows, log π_old(o_t | q, h, o_<t) (trainer/guide_step.py); RoRecomp's replayed rows, π_old
+    # of the step that sampled them (trainer/rorecomp.py), which also stay out of this step's sampler correction.
+    behaviour_lp, behaviour_rows = pre.get("behaviour_log_prob"), pre.get("behaviour_rows")
+    stale_rows = pre.get("stale_rows")
     # AMPO (algorithms/ampo.py, trainer/ampo_step.py): the injected teacher rows, trained with the shaped term.
     ampo_rows = pre.get("ampo_rows")
     # SCOPE (algorithms/scope.py, trainer/scope_rollouts.py): [B, R] the rectifier's tokens, trained with the shaped term.
@@ -211,7 +219,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
             grad_mode = contextlib.nullcontext() if trains else torch.no_grad()
             # A pass without autograd never goes through DDP's wrapper (Distributed.forward_only).
             fwd_model = model if trains or dist is None else dist.forward_only(model)
-            with sync, grad_mode:  # DDP: no gradient all-reduce before the last micro-batch's backward
+            # ALP (algorithms/alp.py): layer noise in this pass's forward and backward (recompute) only; off: a no-op.
+            perturb = alp_context(modules, model, dist)
+            with sync, grad_mode, perturb:  # DDP: no gradient all-reduce before the last micro-batch's backward
                 sl = mb.rows.to(device)
                 fo = forward_micro_batch(fwd_model, mb, rollout_ids, rollout_mask, temperature, share_prefix=share_prefix,
                                          entropy=True, entropy_grad=entropy_grad, hidden="hidden" in algo.needs,
@@ -226,11 +236,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     ctx.extras["vocab_mean"] = response_vocab_mean(model, fo.hidden, rollout.prompt_ids.shape[1],
                                                                    m.shape[1], temperature)
                 old = fo.log_probs.detach() if old_lp is None else old_lp[sl]
-                if guide_lp is not None:  # Guide: guided rows' ratio is toward the sampler's hinted context
-                    old = behaviour_old_log_prob(old, guide_lp[mb.rows], guide_rows[mb.rows])
+                if behaviour_lp is not None:  # Guide's hinted context / RoRecomp's replayed rows' own step
+                    old = behaviour_old_log_prob(old, behaviour_lp[mb.rows], behaviour_rows[mb.rows])
                 sample_lp = None if rollout.sample_log_probs is None else rollout.sample_log_probs[mb.rows].to(device)
                 # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
-                adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap)
+                adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap,
+                                                   None if stale_rows is None else stale_rows[mb.rows])
                 if er_pass is not None:  # before the entropy controls: its |Â|/κ clip reads the estimator's Â
                     adv = er_pass.shape(adv, fo.hidden, m, mb.rows, rollout.prompt_ids.shape[1])
                 adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
@@ -283,7 +294,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 if dsdr_w is not None:  # DSDR: length-invariant entropy of correct responses only
                     loss = loss - cfg.dsdr_local_coef * dsdr_local_loss(fo.entropy, m, dsdr_w.to(device)[sl])
                 if trains:
-                    loss.backward() if dist is None else dist.backward(loss)
+                    scaled = loss if rl_loss_scale == 1.0 else loss * rl_loss_scale  # RECAP's λ_rl / K
+                    scaled.backward() if dist is None else dist.backward(scaled)
                     backward_ran = True
             share = m.sum().item() / metric_tokens  # weight of this micro-batch in the means
             metrics["loss"] = loss.item()
@@ -370,5 +382,6 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if retry_oom:
         out["update/oom_retries"] = float(oom_retries)
     out["time/forward_backward_s"], out["time/optimizer_s"] = t_fwd_bwd, t_opt
+    out.update(alp_metrics(modules))  # ALP's σ_l after the step (empty while off)
     finish_diagnostics(out)
     return out

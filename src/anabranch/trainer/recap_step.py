@@ -1,0 +1,118 @@
+"""RECAP in the training loop (algorithms/recap.py): the replay rows, the weighted terms, the online state.
+
+At the start (``Recap.create``): the replay data (``algorithm.recap.replay_task``, a built-in task or a
+local file; nothing downloaded) is loaded as a task of its own with the run's task settings (prompt
+columns, chat template, instruction), and each row's prompt is built as the rollouts' prompts are.
+
+Each step:
+
+1. ``step``: the weights λ from the tracked losses of the steps before (``RecapWeights``), the RL loss
+   scale λ_rl / K (passed to ``policy_update`` as ``rl_loss_scale``) and, as ``extra_loss``, the
+   replay term (λ_replay / K) · token-mean NLL of ``replay_rows_per_step`` replay demonstrations
+   (HPT's SFT term, trainer/hpt_step.py's ``sft_term``), rows drawn from a generator seeded by
+   (trainer.seed, step), so a resumed run draws what the uninterrupted one would have. The RL tracked
+   loss of the step, 1 − the fraction of rollouts with full credit, goes into the step's metrics.
+2. ``observe`` (after the step's metrics are averaged over the ranks): the step's two tracked losses
+   join the history, which the checkpoint saves (stateful ``recap``).
+
+Data parallel (plain DDP): every rank draws the same replay rows and trains its contiguous share
+(``sft_term`` scales by the all-reduced token count, so DDP's average is the one-process term); the
+weights come from metrics already averaged over the ranks, so they are the same on every rank.
+FSDP and DeepSpeed are refused (``require_plain_ddp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+from anabranch.algorithms.hpt import demonstration_text
+from anabranch.algorithms.recap import OBJECTIVES, RecapWeights
+from anabranch.config import Config, ConfigError
+from anabranch.data.prompts import build_prompt
+from anabranch.eval.accuracy import batch_correct
+from anabranch.trainer.distributed import require_plain_ddp
+from anabranch.trainer.hpt_step import build_sft_batch, sft_term
+from anabranch.trainer.rehearsal import minibatch_indices, rank_slice
+
+RL_SIGNAL = "recap/rl_error"      # the RL objective's tracked loss: 1 − accuracy of the step's rollouts
+REPLAY_SIGNAL = "recap/replay_nll"  # the replay objective's tracked loss: its token-mean NLL in the update
+
+
+def load_replay(cfg: Config, tokenizer) -> tuple[list[str], list[str]]:
+    """(prompts, targets) of the replay data: its training rows, each with a demonstration (the row's
+    own, else the template filled with its answer); refuses data with no such row or a row without one."""
+    from anabranch.data.tasks import load_task
+
+    r = cfg.algorithm.recap
+    task = dataclasses.replace(cfg.task, name=r.replay_task, path=r.replay_path or None, mixture=[])
+    rows, _ = load_task(task)
+    if not rows:
+        raise ConfigError(f"algorithm.recap.replay_task={r.replay_task!r} has no training rows to replay")
+    targets = [demonstration_text(row, r.demonstration_template) for row in rows]
+    missing = [i for i, t in enumerate(targets, start=1) if t is None]
+    if missing:
+        raise ConfigError(f"algorithm.recap: replay row {missing[0]} has no demonstration (task.demonstration_column="
+                          f"{cfg.task.demonstration_column!r}) and no answer to fill algorithm.recap."
+                          "demonstration_template with; give every replay row one of them")
+    return [build_prompt(row, task, tokenizer) for row in rows], targets
+
+
+@dataclasses.dataclass
+class RecapStep:
+    """One step's RECAP pieces: the replay rows (this rank's share) and the weights in force."""
+
+    prompts: list[str]
+    targets: list[str]
+    weights: dict
+    metrics: dict
+
+    def extra_loss(self, recap: "Recap", model, dist=None):
+        batch = (build_sft_batch(recap.tokenizer, self.prompts, self.targets, recap.r.max_replay_tokens)
+                 if self.prompts else None)
+        return sft_term(model, batch, self.weights["replay"] / len(OBJECTIVES), recap.cfg, dist, metric=REPLAY_SIGNAL)
+
+
+class Recap:
+    """What the loop holds for RECAP: the replay data, the online weights (checkpointed), the tokenizer."""
+
+    def __init__(self, cfg: Config, tokenizer, prompts: list[str], targets: list[str], dist=None):
+        self.cfg, self.r, self.tokenizer, self.dist = cfg, cfg.algorithm.recap, tokenizer, dist
+        self.prompts, self.targets = prompts, targets
+        self.state = RecapWeights(self.r.window, self.r.temperature)
+        self.rl_scale = 1.0  # λ_rl / K of the current step (policy_update's rl_loss_scale)
+
+    @classmethod
+    def create(cls, cfg: Config, dist, c) -> "Recap | None":
+        """None unless ``algorithm.recap.enabled``; refuses FSDP/DeepSpeed and unusable replay data."""
+        if not cfg.algorithm.recap.enabled:
+            return None
+        require_plain_ddp(dist, "algorithm.recap.enabled", "RECAP's replay term runs its own forward and backward "
+                          "beside the RL micro-batches", "algorithm.recap.enabled=false")
+        prompts, targets = load_replay(cfg, c.tokenizer)
+        return cls(cfg, c.tokenizer, prompts, targets, dist)
+
+    def step(self, step: int, batch, sources) -> RecapStep:
+        """This step's weights (from the steps before), its replay rows and the RL tracked loss."""
+        weights = self.state.weights()
+        self.rl_scale = weights["rl"] / len(OBJECTIVES)
+        idx = minibatch_indices(len(self.prompts), self.r.replay_rows_per_step, self.cfg.trainer.seed, step).tolist()
+        world = getattr(self.dist, "world_size", 1) or 1
+        lo, hi = rank_slice(len(idx), getattr(self.dist, "rank", 0) if world > 1 else 0, world)
+        idx = idx[lo:hi]
+        correct = batch_correct(batch, sources)
+        metrics = {f"recap/weight_{k}": v for k, v in weights.items()}
+        metrics[RL_SIGNAL] = 1.0 - sum(correct) / max(len(correct), 1)
+        return RecapStep([self.prompts[i] for i in idx], [self.targets[i] for i in idx], weights, metrics)
+
+    def observe(self, metrics: dict) -> dict:
+        """Record the step's tracked losses (``metrics``: the step's, averaged over the ranks); returns the
+        weights the next step will use, for the log."""
+        self.state.observe({"rl": metrics[RL_SIGNAL], "replay": metrics[REPLAY_SIGNAL]})
+        return {f"recap/next_weight_{k}": v for k, v in self.state.weights().items()}
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
