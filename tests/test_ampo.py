@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from anabranch import load_config, train
-from anabranch.algorithms.ampo import (ampo_objective, candidate_texts, check_ampo, check_run, mean_log_prob, off_policy_loss_mat,
-                                       select_top, shaped_prob)
+from anabranch.algorithms.ampo import ampo_objective, candidate_texts, check_ampo, check_run, mean_log_prob, select_top
+from anabranch.algorithms.off_policy_split import off_policy_loss_mat, shaped_prob
 from anabranch.algorithms.resolve import resolve_algorithm
 from anabranch.config import Config, ConfigError
+from anabranch.config_checks import check_whole_config
 from anabranch.config_algorithm_options import AMPOConfig
 from anabranch.rewards.registry import REWARDS
 from anabranch.trainer.ampo_step import AMPO, candidate_rollout, stop_token
@@ -231,7 +232,7 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     assert "algorithm.ampo.num_replace" in check_ampo(_algo(ampo=AMPOConfig(enabled=True, num_replace=0)))
     assert "algorithm.ampo.selection" in check_ampo(_algo(ampo=AMPOConfig(enabled=True, selection="ppl")))
     assert "algorithm.ampo.shaping_gamma" in check_ampo(_algo(ampo=AMPOConfig(enabled=True, shaping_gamma=0.0)))
-    assert "has no effect unless algorithm.ampo.enabled" in check_ampo(_algo(ampo=AMPOConfig(num_replace=3)))
+    assert check_ampo(_algo(ampo=AMPOConfig(num_replace=3))) is None  # a knob while off: config_checks._GATED
     assert "loss='flowrl'" in check_ampo(_algo(loss="flowrl", ampo=AMPOConfig(enabled=True)))
     assert "dynamic_sampling" in check_ampo(_algo(dynamic_sampling=True, ampo=AMPOConfig(enabled=True)))
     from anabranch.config import GuideConfig
@@ -265,15 +266,15 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     curriculum.task.curriculum = "dump"  # (a mixture's curriculum; the whole-run check at load is check_run)
     with pytest.raises(ConfigError, match="algorithm.ampo.enabled cannot be used with task.curriculum='dump'"):
         check_run(curriculum)
-    # A Config built in code (never loaded): resolve_algorithm and AMPO.create refuse the same.
+    # A Config built in code (never loaded): train()'s check_whole_config refuses the same.
     off = Config()
     off.algorithm.ampo.num_replace = 3
     with pytest.raises(ConfigError, match="'algorithm.ampo.num_replace' has no effect"):
-        resolve_algorithm(off.algorithm)
+        check_whole_config(off)
     code = load(**base, **{"rollout.n": 3})
     code.algorithm.ampo.num_replace = 3
     with pytest.raises(ConfigError, match="must be less than rollout.n=3"):
-        AMPO.create(code, None, None)
+        check_whole_config(code)
     with pytest.raises(ConfigError, match="algorithm.ampo.enabled cannot be used with rollout.backend='vllm'"):
         load_config(None, tiny_overrides(tiny_model_dir, data, tmp_path, **base, **{"rollout.backend": "vllm"}))
     with pytest.raises(ConfigError, match="algorithm.ampo.enabled with algorithm.hpt.enabled"):

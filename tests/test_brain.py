@@ -146,9 +146,8 @@ def test_recipe_needs_and_config_errors():
         (["algorithm.name=brain", "algorithm.tis_cap=2"], r"algorithm\.tis_cap"),
     ]
     for overrides, message in bad:
-        cfg = load_config(None, overrides)
-        with pytest.raises(ConfigError, match=message):
-            resolve_algorithm(cfg.algorithm)
+        with pytest.raises(ConfigError, match=message):  # refused at load now
+            resolve_algorithm(load_config(None, overrides).algorithm)
 
 
 def test_gated_and_refused_at_load():
@@ -163,18 +162,20 @@ def test_gated_and_refused_at_load():
 
 
 def test_gated_in_code_built_configs_too():
-    """A Config built in code skips load_config's _GATED; check_ranges (resolve_algorithm) still refuses
-    brain_beta with another loss, with _GATED's message."""
-    from anabranch.algorithms.resolve import check_ranges
+    """A Config built in code never passes load_config: train()'s check_whole_config still refuses brain_beta
+    with another loss, with _GATED's message."""
+    from anabranch.config import Config
+    from anabranch.config_checks import check_whole_config
 
     msg = r"config key 'algorithm\.brain_beta' has no effect unless algorithm\.loss=brain \(algorithm\.name=brain\)"
     with pytest.raises(ConfigError, match=msg + r" \(got 2\.0\)"):
-        check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip", brain_beta=2.0))
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip",
+                                                            brain_beta=2.0)))
     with pytest.raises(ConfigError, match=msg):
-        resolve_algorithm(AlgorithmConfig(name="grpo", brain_beta=2.0))
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", brain_beta=2.0)))
     with pytest.raises(ConfigError, match=msg):  # the same words at load
         load_config(None, ["algorithm.name=grpo", "algorithm.brain_beta=2.0"])
-    check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip"))  # the default is fine
+    check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip")))  # default
     resolve_algorithm(AlgorithmConfig(name="brain", brain_beta=2.0))
 
 

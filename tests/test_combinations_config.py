@@ -1,6 +1,8 @@
 """Combinations of settings that were accepted and then silently did nothing useful, or only
 approximately what the docs say: refused with a ConfigError naming the keys, or warned at start."""
 
+import dataclasses
+
 import pytest
 
 from anabranch import load_config
@@ -12,10 +14,11 @@ from test_train_e2e import digit_task, tiny_overrides
 
 def test_adaptive_kl_needs_an_initial_coefficient():
     # β ← β·(1 + e·n/horizon) from β = 0 stays 0, and kl_coef = 0 loads no reference at all.
-    cfg = load_config(None, ["algorithm.kl_target=0.01"])
     with pytest.raises(ConfigError, match=r"algorithm\.kl_target needs algorithm\.kl_coef > 0") as err:
-        resolve_algorithm(cfg.algorithm)
+        load_config(None, ["algorithm.kl_target=0.01"])  # refused at load (config_checks runs check_ranges)
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_target needs algorithm\.kl_coef > 0"):
+        resolve_algorithm(dataclasses.replace(load_config().algorithm, kl_target=0.01))  # and at resolution
     algo = resolve_algorithm(load_config(None, ["algorithm.kl_target=0.01", "algorithm.kl_coef=0.05"]).algorithm)
     assert "ref_log_prob" in algo.needs
 

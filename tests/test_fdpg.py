@@ -170,9 +170,8 @@ def test_recipe_needs_and_config_errors():
         (["algorithm.tis_cap=2"], r"algorithm\.tis_cap"),
     ]
     for overrides, message in bad:
-        cfg = load_config(None, ["algorithm.name=fdpg", *overrides])
-        with pytest.raises(ConfigError, match=message):
-            resolve_algorithm(cfg.algorithm)
+        with pytest.raises(ConfigError, match=message):  # refused at load now
+            resolve_algorithm(load_config(None, ["algorithm.name=fdpg", *overrides]).algorithm)
 
 
 REF_PROBS = [0.2, 0.1, 0.05, 0.15, 0.15, 0.15, 0.1, 0.1]

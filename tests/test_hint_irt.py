@@ -204,9 +204,8 @@ def test_run_checkpoints_the_stored_ratios_and_a_resume_restores_them(tiny_model
      r"'algorithm.scaffold.ratios' has no effect unless algorithm.scaffold.schedule=stages"),
 ])
 def test_bad_or_inactive_irt_keys_are_refused(overrides, match):
-    cfg = load_config(None, ["algorithm.scaffold.enabled=true", *overrides])
-    with pytest.raises(ConfigError, match=match):
-        resolve_algorithm(cfg.algorithm)
+    with pytest.raises(ConfigError, match=match):  # refused at load now
+        resolve_algorithm(load_config(None, ["algorithm.scaffold.enabled=true", *overrides]).algorithm)
 
 
 def test_irt_keys_while_scaffolding_is_off_are_refused_and_the_defaults_resolve():
@@ -216,3 +215,18 @@ def test_irt_keys_while_scaffolding_is_off_are_refused_and_the_defaults_resolve(
         with pytest.raises(ConfigError, match=rf"'algorithm.scaffold.{key}' has no effect unless "
                                               r"algorithm.scaffold.enabled=true"):
             resolve_algorithm(load_config(None, [f"algorithm.scaffold.{key}={value}"]).algorithm)
+
+
+def test_group_accuracy_and_group_rows_against_hand_values():
+    # Groups out of order and interleaved: group 2 has rows 0 and 3 (1 right of 2), group 0 rows 1, 2, 4
+    # (2 right of 3), group 5 row 5 (0 of 1). group_rows: each group's first row.
+    from types import SimpleNamespace
+
+    from anabranch.trainer.extra_rollouts import group_accuracy
+    from anabranch.trainer.scaffold_step import Scaffold
+
+    gi = torch.tensor([2, 0, 0, 2, 0, 5])
+    batch = SimpleNamespace(rollout=SimpleNamespace(group_index=gi, prompts=["p"] * 6), rows=[{"i": i} for i in range(6)])
+    acc = group_accuracy(batch, correct=[1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert acc == [2 / 3, 0.0, 0.5, 0.0, 0.0, 0.0]  # groups 1, 3, 4 have no rows: 0
+    assert Scaffold.group_rows(batch, [5, 0, 2]) == [{"i": 5}, {"i": 1}, {"i": 0}]

@@ -207,12 +207,16 @@ def test_student_kl_to_a_different_teacher_falls(tiny_model_dir, write_jsonl, tm
 def test_recipe_loads_and_refuses_to_run_without_a_teacher():
     from pathlib import Path
 
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "kdrl.yaml")
-    k = cfg.algorithm.kdrl
-    assert (k.coef, k.coef_final, k.estimator, k.mask, k.teacher) == (5e-3, 1e-3, "k2", "response", "")
+    recipe = Path(__file__).parents[1] / "configs" / "kdrl.yaml"
+    # Refused at load (config_checks.check_whole_config runs the algorithm's checks), before any model loads.
     with pytest.raises(ConfigError, match="algorithm.kdrl.anneal_steps is set but algorithm.kdrl.teacher is empty"):
-        resolve_algorithm(cfg.algorithm)
-    assert resolve_algorithm(dataclasses.replace(cfg.algorithm, kdrl=dataclasses.replace(k, teacher="t")))
+        load_config(recipe)
+    cfg = load_config(recipe, ["algorithm.kdrl.teacher=t"])
+    k = cfg.algorithm.kdrl
+    assert (k.coef, k.coef_final, k.estimator, k.mask, k.teacher) == (5e-3, 1e-3, "k2", "response", "t")
+    with pytest.raises(ConfigError, match="algorithm.kdrl.anneal_steps is set but algorithm.kdrl.teacher is empty"):
+        resolve_algorithm(dataclasses.replace(cfg.algorithm, kdrl=dataclasses.replace(k, teacher="")))
+    assert resolve_algorithm(cfg.algorithm)
 
 
 @pytest.mark.parametrize("other", [{"dynamic_sampling": True}, {"hpt": "enabled"}])

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from anabranch import load_config, train
 from anabranch.config import Config, ConfigError, TaskConfig
+from anabranch.config_checks import check_whole_config
 from anabranch.trainer import rehearsal
 from anabranch.trainer.curation import Curation, CuratedSampler, CurationError, keep_rows
 from anabranch.trainer.sampler import PromptSampler
@@ -119,7 +120,7 @@ def test_create_is_none_when_off_and_refuses_dph_exclusion():
     bad = dataclasses.replace(cfg, algorithm=dataclasses.replace(a, dph=dataclasses.replace(a.dph, coef=0.1,
                                                                                             exclude_from_rl=True)))
     with pytest.raises(ConfigError, match=r"algorithm\.dph\.exclude_from_rl"):
-        Curation.create(bad)
+        check_whole_config(bad)  # what train() runs first, for this Config built in code
 
 
 # ---------------------------------------------------------------- the pre-pass on a fake backend

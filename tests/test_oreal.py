@@ -16,8 +16,8 @@ from anabranch.algorithms import resolve_algorithm
 from anabranch.algorithms.aggregation import aggregate
 from anabranch.algorithms.oreal import (TOKEN_RM, TokenRewardHead, oreal_loss, oreal_precompute, reshaped_outcomes,
                                         token_rm_loss, token_weights)
-from anabranch.algorithms.resolve import check_ranges
-from anabranch.config import AlgorithmConfig, ConfigError
+from anabranch.config import AlgorithmConfig, Config, ConfigError
+from anabranch.config_checks import check_whole_config
 from anabranch.trainer.step import LossContext, no_grad_log_probs, policy_update
 from test_train_e2e import digit_task, tiny_overrides
 
@@ -173,6 +173,28 @@ def test_token_weights_scale_the_loss_and_the_head_trains_only_itself():
     assert head.proj.weight.grad is not None and bool(head.proj.weight.grad.abs().sum() > 0)
 
 
+def test_the_head_runs_once_per_micro_batch_and_its_scores_still_train_it():
+    # The objective's forward of the head is reused by the aux loss on the same LossContext: one call, and
+    # the aux loss's gradient equals the one from a fresh forward of the head.
+    c = cfg(oreal_token_rm=True)
+    pre = oreal_precompute(c, {}, MASK, REWARDS, GROUPS)
+    hidden = torch.randn(4, 4, 2, generator=torch.Generator().manual_seed(0))
+    head = head_with([0.3, -0.2])
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    one = ctx(c, dict(pre), hidden, {TOKEN_RM: head})
+    oreal_loss(LP.clone().requires_grad_(True), LP.clone(), torch.zeros(4, 3), MASK, one)
+    aux, _ = token_rm_loss(one, MASK)
+    assert len(calls) == 1
+    aux.backward()
+    shared = head.proj.weight.grad.clone()
+    head.zero_grad()
+    fresh, _ = token_rm_loss(ctx(c, dict(pre), hidden, {TOKEN_RM: head}), MASK)  # no objective before: own forward
+    fresh.backward()
+    assert len(calls) == 2 and fresh.item() == pytest.approx(aux.item())
+    assert torch.allclose(head.proj.weight.grad, shared) and bool(shared.abs().sum() > 0)
+
+
 def test_zero_initialized_head_gives_no_policy_gradient_until_it_learns():
     c = cfg(oreal_token_rm=True)
     pre = oreal_precompute(c, {}, MASK, REWARDS, GROUPS)
@@ -259,11 +281,27 @@ def test_updates_clone_the_correct_samples_and_push_down_the_wrong_ones(tiny_mod
     (dict(oreal_neg_weight=-1.0), "oreal_neg_weight"),
     (dict(oreal_neg_weight=float("inf")), "oreal_neg_weight"),
     (dict(oreal_token_rm=True, oreal_token_rm_lr_multiplier=0.0), "lr_multiplier"),
-    (dict(oreal_token_rm_lr_multiplier=2.0), "oreal_token_rm=true"),
 ])
 def test_bad_settings_are_refused_at_resolution(kw, match):
     with pytest.raises(ConfigError, match=match):
         resolve_algorithm(cfg(**kw))
+
+
+def test_plain_bc_with_dynamic_sampling_is_refused_as_it_would_drop_the_groups_bc_clones():
+    # Why: plain BC (a_i = 1) gives an all-correct group's rows a cloning weight; with a_i = A_i it is 0, so only
+    # plain BC loses something when dynamic sampling drops that group (rewards all equal) before the loss.
+    rewards, groups, mask = torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2)
+    plain = oreal_precompute(cfg(oreal_pos_mult_adv=False), {}, mask, rewards, groups)["oreal_coef"]
+    mult = oreal_precompute(cfg(), {}, mask, rewards, groups)["oreal_coef"]
+    assert plain[:2].tolist() == pytest.approx([1 / 6, 1 / 6]) and mult[:2].tolist() == [0.0, 0.0]  # T+ = 6 tokens
+    with pytest.raises(ConfigError, match="oreal_pos_mult_adv=false with algorithm.dynamic_sampling=true.*drops"):
+        resolve_algorithm(cfg(oreal_pos_mult_adv=False, dynamic_sampling=True))
+    with pytest.raises(ConfigError, match="oreal_pos_mult_adv=false with algorithm.dynamic_sampling=true"):
+        load_config(None, ["algorithm.name=oreal", "algorithm.oreal_pos_mult_adv=false",
+                           "algorithm.dynamic_sampling=true"])
+    # Either alone is accepted: A-weighted cloning gives all-correct groups nothing to lose.
+    resolve_algorithm(cfg(dynamic_sampling=True))
+    resolve_algorithm(cfg(oreal_pos_mult_adv=False))
 
 
 def test_recipe_needs_and_head():
@@ -282,10 +320,13 @@ def test_recipe_needs_and_head():
 def test_keys_without_oreal_are_refused(key, value):
     with pytest.raises(ConfigError, match="algorithm.loss=oreal"):
         load_config(None, [f"algorithm.{key}={value}"])
-    with pytest.raises(ConfigError, match="algorithm.loss=oreal"):  # built in code: check_ranges repeats _GATED
-        check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip", **{key: value}))
+    with pytest.raises(ConfigError, match="algorithm.loss=oreal"):  # built in code: train()'s check_whole_config
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip",
+                                                            **{key: value})))
     with pytest.raises(ConfigError, match="oreal_token_rm=true"):
         load_config(None, ["algorithm.name=oreal", "algorithm.oreal_token_rm_lr_multiplier=2.0"])
+    with pytest.raises(ConfigError, match="oreal_token_rm=true"):
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="oreal", oreal_token_rm_lr_multiplier=2.0)))
 
 
 def even_first_char(prompts, completions, **_):

@@ -124,7 +124,8 @@ def _cfg(tiny_model_dir, write_jsonl, tmp_path, prm_dir=None, prm=True, **extra)
     ({"algorithm.guide.enabled": True}, "cannot be used with algorithm.guide.enabled"),
     ({"task.pairing": True}, "cannot be used with task.pairing"),
     # SCOPE would put partly-rectifier rewrites in place of failed rows PROF kept (algorithms/prof.with_scope)
-    ({"algorithm.scope.enabled": True}, "prof_keep=2 cannot be used with algorithm.scope.enabled: .*never selected"),
+    ({"algorithm.scope.enabled": True, "algorithm.scope.prm_path": "/", "algorithm.scope.rectifier": "/"},
+     "prof_keep=2 cannot be used with algorithm.scope.enabled: .*never selected"),
     # PRM shaping would make the PRM a reward too, which PROF keeps it out of
     ({"reward.prm_shaping": "clip"}, r"cannot be used with reward.prm_shaping=clip: PROF uses the PRM only to filter"),
     ({"reward.prm_shaping": "delta", "algorithm.advantage": "reinforce_pp"}, r"reward.prm_shaping=delta"),

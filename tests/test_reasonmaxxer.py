@@ -197,7 +197,7 @@ def test_bad_settings_are_refused_at_resolution(kw, match):
 
 
 def test_keys_without_reasonmaxxer_are_refused_when_the_config_loads():
-    # One refusal, config_loading.py's _GATED (not a second one at resolution with another message).
+    # One refusal, config_checks._GATED (not a second one at resolution with another message).
     with pytest.raises(ConfigError, match="'algorithm.reasonmaxxer_neg_weight' has no effect unless algorithm.loss="):
         load_config(None, ["algorithm.reasonmaxxer_neg_weight=2.0"])
     assert load_config(None, ["algorithm.name=reasonmaxxer", "algorithm.reasonmaxxer_entropy_threshold=1.0"])
@@ -206,13 +206,16 @@ def test_keys_without_reasonmaxxer_are_refused_when_the_config_loads():
 @pytest.mark.parametrize("key,value", [("reasonmaxxer_neg_weight", 2.0), ("reasonmaxxer_top_frac", 0.3),
                                        ("reasonmaxxer_entropy_threshold", 1.0)])
 def test_keys_without_reasonmaxxer_are_refused_in_code_built_configs(key, value):
-    # A Config built in code skips load_config's _GATED: check_ranges refuses the key with _GATED's message.
+    # A Config built in code never passes load_config: train()'s check_whole_config refuses it the same way.
     from anabranch.algorithms.resolve import check_ranges
+    from anabranch.config import Config
+    from anabranch.config_checks import check_whole_config
 
     msg = (f"config key 'algorithm.{key}' has no effect unless algorithm.loss=reasonmaxxer "
            f"\\(algorithm.name=reasonmaxxer\\) \\(got {value}\\)")
     with pytest.raises(ConfigError, match=msg):
-        check_ranges(AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip", **{key: value}))
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", advantage="grpo", loss="ppo_clip",
+                                                            **{key: value})))
     with pytest.raises(ConfigError, match=msg):
         load_config(None, ["algorithm.name=grpo", f"algorithm.{key}={value}"])
     check_ranges(cfg(**{key: value}))  # with the loss, accepted

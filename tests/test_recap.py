@@ -33,6 +33,7 @@ def test_weights_follow_the_rule_step_by_step():
     assert lam["rl"] == pytest.approx(0.9471920, abs=1e-6) and lam["replay"] == pytest.approx(1.0528080, abs=1e-6)
     assert w.scale("rl") == pytest.approx(0.9471920 / 2, abs=1e-6)  # λ/K on the RL loss
     w.observe({"rl": 0.2, "replay": 3.0})
+    assert w.scale("replay", lam) == pytest.approx(1.0528080 / 2, abs=1e-6)  # the λ given (the step's), not now's
     lam = w.weights()
     assert lam["rl"] == pytest.approx(0.9025326, abs=1e-6) and lam["replay"] == pytest.approx(1.0974674, abs=1e-6)
     assert sum(lam.values()) == pytest.approx(2.0)  # mean weight 1
@@ -174,3 +175,105 @@ def test_rl_loss_scale_scales_the_rl_gradient_only(tiny_model_dir):
     assert moved
     for n in moved:
         assert torch.allclose(part[n], 0.3 * full[n], atol=1e-6, rtol=1e-3), n
+
+
+# ---------------------------------------------------------------- the RL tracked loss: what it is measured on
+
+def test_rl_error_is_measured_before_the_rewriters_replace_failures(tiny_model_dir, write_jsonl, tmp_path,
+                                                                    monkeypatch):
+    # A stand-in batch rewriter in Guide's slot turns every row into a full-credit one (as hinted or teacher
+    # successes replacing failed groups would). RECAP's error must be the generated rollouts' own:
+    # 1 − their accuracy, recorded by the rewriter as it receives them, not 0 (the rewritten batch's).
+    from types import SimpleNamespace
+
+    import anabranch.trainer.loop as loop
+    from anabranch.eval.accuracy import batch_correct
+    from anabranch.trainer.collect import ScoredBatch
+
+    seen = []
+
+    class AllCorrect:
+        def step(self, c, batch, step):
+            flags = batch_correct(batch, c.rewards)
+            seen.append(sum(flags) / len(flags))
+            b = len(batch.total)
+            out = ScoredBatch(batch.rollout, batch.rows, [1.0] * b, {k: [1.0] * b for k in batch.per_source},
+                              batch.t_generate, dict(batch.metrics))
+            return SimpleNamespace(batch=out, metrics={})
+
+    monkeypatch.setattr(loop.Guide, "create", classmethod(lambda cls, cfg, dist, c: AllCorrect()))
+    res = recap_run(tiny_model_dir, digit_task(write_jsonl), general_data(write_jsonl), tmp_path, **{"trainer.steps": 3})
+    assert len(seen) == 3
+    errors = [m["recap/rl_error"] for m in res.history]
+    assert errors == pytest.approx([1.0 - a for a in seen])
+    assert max(errors) > 0.25, errors  # the tiny model misses most: 0 here would be the rewritten batch's
+    assert all(m["accuracy"] == 1.0 for m in res.history)  # the trained batch was the rewritten one
+
+
+class _TwoRanks:
+    """A stand-in Distributed of rank ``rank`` of 2 whose all-reduce adds the other rank's counts."""
+
+    def __init__(self, rank, other):
+        self.world_size, self.rank, self.other, self.calls = 2, rank, other, []
+
+    def all_reduce_sum(self, t):
+        self.calls.append(t.tolist())
+        return t + torch.tensor(self.other, dtype=t.dtype)
+
+
+def test_step_scales_rl_and_replay_by_their_weight_over_k(monkeypatch):
+    # History rl [1, 1, .5, .3], replay [2, 2, 2, 2] (the hand values above): λ = [0.9471920, 1.0528080], so the
+    # RL loss is scaled by λ_rl/2 and the replay NLL term by λ_replay/2.
+    from types import SimpleNamespace
+
+    import anabranch.trainer.recap_step as recap_step
+
+    cfg = load_config(None, ["algorithm.recap.enabled=true", "algorithm.recap.replay_task=basic_arithmetic",
+                             "algorithm.recap.window=2", "algorithm.recap.temperature=5.0"])
+    recap = recap_step.Recap(cfg, None, [], [])
+    for rl, rep in ((1.0, 2.0), (1.0, 2.0), (0.5, 2.0), (0.3, 2.0)):
+        recap.state.observe({"rl": rl, "replay": rep})
+    s = recap.step(1, SimpleNamespace(per_source={}, total=[1.0]), [])
+    assert recap.rl_scale == pytest.approx(0.9471920 / 2, abs=1e-6)
+    coefs = []
+    monkeypatch.setattr(recap_step, "sft_term", lambda model, batch, coef, *a, **k: coefs.append(coef))
+    s.extra_loss(recap, None)
+    assert coefs == [pytest.approx(1.0528080 / 2, abs=1e-6)]
+
+
+def test_rl_error_under_ddp_is_the_global_rate_not_a_mean_of_rank_rates():
+    # Rank 0: 4 rows, 3 right (error .25); rank 1: 2 rows, none right (error 1). Global: 1 − 3/6 = .5;
+    # the mean of the rank rates, which mean_metrics would give, is (.25 + 1)/2 = .625.
+    from types import SimpleNamespace
+
+    from anabranch.trainer.recap_step import RL_SIGNAL, Recap
+
+    cfg = load_config(None, ["algorithm.recap.enabled=true", "algorithm.recap.replay_task=basic_arithmetic"])
+    rows = (SimpleNamespace(per_source={}, total=[1.0, 1.0, 0.0, 1.0]), SimpleNamespace(per_source={}, total=[0.0, 0.5]))
+    one = Recap(cfg, None, ["p"] * 4, ["t"] * 4)
+    assert one.step(1, rows[0], []).metrics[RL_SIGNAL] == pytest.approx(0.25)  # one process: its own rows
+    d0, d1 = _TwoRanks(0, [0.0, 2.0]), _TwoRanks(1, [3.0, 4.0])
+    e0 = Recap(cfg, None, ["p"] * 4, ["t"] * 4, dist=d0).step(1, rows[0], []).metrics[RL_SIGNAL]
+    e1 = Recap(cfg, None, ["p"] * 4, ["t"] * 4, dist=d1).step(1, rows[1], []).metrics[RL_SIGNAL]
+    assert d0.calls == [[3.0, 4.0]] and d1.calls == [[0.0, 2.0]]  # (correct, rows), one collective per step
+    assert e0 == pytest.approx(0.5) and e1 == pytest.approx(0.5)  # the same global rate on both ranks
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("algorithm.dynamic_sampling", True, r"algorithm\.dynamic_sampling=true: .*set algorithm\.dynamic_sampling=false"),
+    ("algorithm.prof_keep", 2, r"algorithm\.prof_keep \(PROF\).*set algorithm\.prof_keep=0"),
+    ("task.curation", "greedy_wrong", r"task\.curation=greedy_wrong.*set task\.curation=none"),
+])
+def test_filters_on_the_policys_right_wrong_are_refused(field, value, match):
+    # Each keeps rows whose error sits near a fixed level whatever the progress; refused, naming the fix.
+    from anabranch.algorithms.recap import check_run
+
+    cfg = load_config(None, ["algorithm.recap.enabled=true", "algorithm.recap.replay_task=basic_arithmetic"])
+    check_run(cfg)  # the plain RECAP config passes
+    section, key = field.split(".")
+    setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError, match=match):
+        check_run(cfg)
+    setattr(cfg.algorithm.recap, "enabled", False)
+    setattr(cfg.algorithm.recap, "replay_task", "")
+    check_run(cfg)  # RECAP off: the filter is none of its business

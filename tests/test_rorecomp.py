@@ -10,7 +10,7 @@ import torch
 
 from anabranch import load_config, train
 from anabranch.algorithms.rorecomp import priority_mask, side_count
-from anabranch.config import Config, ConfigError
+from anabranch.config import AlgorithmConfig, Config, ConfigError
 from anabranch.rewards.registry import REWARDS
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.rorecomp import Chunk, ReplayBuffer, RoRecomp, check_config, merge
@@ -99,6 +99,39 @@ def test_step_trains_priority_then_replays_remaining_rows_later():
     assert [c.rollout.completions for c in fresh.buffer.chunks] == [c.rollout.completions for c in rr.buffer.chunks]
 
 
+def test_entering_rows_are_cut_to_the_cap_before_their_behaviour_pass():
+    # Buffer of 3, no precomputed old_log_prob (so the behaviour pass runs, stubbed here to record its rows).
+    # A row whose advantage is non-zero only past its response never enters; when more rows enter than the cap
+    # holds, only the newest 3 (those the buffer keeps) are forwarded.
+    cfg = Config()
+    cfg.algorithm.rorecomp_fraction, cfg.algorithm.rorecomp_buffer_size = 0.5, 3
+    cfg.algorithm.rorecomp_compensation_rows = 3
+    rr = RoRecomp(cfg, sources=[])
+    seen = []
+
+    def behaviour(rows, pre, micro_tokens=0):
+        seen.append(list(rows.completions))
+        return -torch.arange(len(rows.completions), dtype=torch.float)[:, None].expand(-1, 10).clone()
+
+    rr.behaviour_log_prob = behaviour
+    lengths, rewards = [9, 3, 5, 2, 8, 6], torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    ch = _chunk(1, 6, width=10, rewards=rewards)
+    ch.rollout.response_mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])[:, None].expand(6, 10).clone()
+    adv[5, :6] = 0.0  # row 5: advantage only on tokens 6.. , beyond its 6 response tokens
+    rr.step(_Batch(ch.rollout, rewards.tolist()), ch.rollout, adv, {}, rewards, 1)
+    # priority rows 1, 4; with signal: 0, 2, 3 (row 5 has none on a trained token) -> all 3 fit, one pass
+    assert seen == [["1:0", "1:2", "1:3"]]
+    adv2 = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])[:, None].expand(6, 10).clone()
+    ch2 = _chunk(2, 6, width=10, rewards=rewards)
+    ch2.rollout.response_mask = ch.rollout.response_mask
+    rr.step(_Batch(ch2.rollout, rewards.tolist()), ch2.rollout, adv2, {}, rewards, 2)
+    # 3 rows were due (replayed now); 4 enter, the cap keeps the newest 3: the oldest (2:0) is never forwarded
+    assert seen[1] == ["2:2", "2:3", "2:5"]
+    assert [c.rollout.completions for c in rr.buffer.chunks] == [["2:2", "2:3", "2:5"]]
+    assert rr.buffer.chunks[0].precomputed["behaviour_log_prob"][:, 0].tolist() == [0.0, -1.0, -2.0]
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("algorithm.rorecomp_fraction", 1.0, "must be in"),
     ("rollout.n", 2, "groups of >= 4"),
@@ -119,6 +152,42 @@ def test_refusals(key, value, match):
     setattr(node, last, value)
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
+
+
+@pytest.mark.parametrize("key,name", [("algorithm.name", "oreal"), ("algorithm.name", "reasonmaxxer"),
+                                      ("algorithm.name", "pacs"), ("algorithm.loss", "pacs"),
+                                      ("algorithm.name", "etr")])
+def test_objectives_that_read_group_numbers_from_the_trained_rows_are_refused(key, name):
+    # OREAL / ReasonMaxxer / PACS (ignores_advantages) rebuild their labels or RLOO values from the update's rows;
+    # ETR (etr_var_coef > 0, whole_groups) reads each group's reward variance there. RoRecomp cuts those rows.
+    cfg = Config()
+    cfg.algorithm.rorecomp_fraction = 0.5
+    setattr(cfg.algorithm, key.split(".")[1], name)
+    with pytest.raises(ConfigError, match=f"rorecomp_fraction > 0 with loss={name}: .*rorecomp_fraction=0"):
+        check_config(cfg)
+
+
+def test_group_reading_refusal_is_at_config_load_and_spares_advantage_readers():
+    with pytest.raises(ConfigError, match="loss=oreal: its labels or RLOO values are recomputed"):
+        load_config(None, ["algorithm.name=oreal", "algorithm.rorecomp_fraction=0.5", "rollout.n=8"])
+    for name, extra in (("grpo", []), ("dapo", []), ("etr", ["algorithm.etr_var_coef=0"])):  # read the advantages
+        load_config(None, [f"algorithm.name={name}", "algorithm.rorecomp_fraction=0.5", "rollout.n=8", *extra])
+
+
+def test_why_oreal_is_refused_its_rloo_values_on_recomposed_rows():
+    # One group of 6, 3 right / 3 wrong: on the whole group A = ±1.2; RoRecomp's priority pair (1 right, 1 wrong)
+    # alone would give ±2.0, the 4 replayed leftovers ±4/3, and a chunk of one sign 0 (the refused numbers).
+    from anabranch.algorithms.oreal import reshaped_outcomes
+
+    acfg = AlgorithmConfig(name="oreal")
+
+    def adv(rewards):
+        return reshaped_outcomes(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long), acfg)[1].tolist()
+
+    assert adv([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]) == pytest.approx([1.2] * 3 + [-1.2] * 3)
+    assert adv([1.0, 0.0]) == pytest.approx([2.0, -2.0])
+    assert adv([1.0, 1.0, 0.0, 0.0]) == pytest.approx([4 / 3, 4 / 3, -4 / 3, -4 / 3])
+    assert adv([1.0, 1.0]) == pytest.approx([0.0, 0.0])
 
 
 def test_buffer_keys_refused_while_off_and_off_costs_nothing(tiny_model_dir, write_jsonl, tmp_path):

@@ -175,19 +175,17 @@ def test_hinted_groups_are_plain_samples_in_cure_stage_one(tiny_model_dir, write
     (["algorithm.name=mssr"], "algorithm.scaffold.enabled with algorithm.advantage='mssr'"),
 ])
 def test_resolution_errors_name_the_key(overrides, match):
-    cfg = load_config(None, ["algorithm.scaffold.enabled=true", *overrides])
-    with pytest.raises(ConfigError, match=match):
-        resolve_algorithm(cfg.algorithm)
+    with pytest.raises(ConfigError, match=match):  # refused at load now
+        resolve_algorithm(load_config(None, ["algorithm.scaffold.enabled=true", *overrides]).algorithm)
 
 
 def test_inactive_knobs_and_whole_config_combinations_are_refused():
     resolve_algorithm(load_config(None, ["algorithm.scaffold.enabled=true"]).algorithm)  # the defaults resolve
     resolve_algorithm(load_config(None, ["algorithm.scaffold.enabled=true", "algorithm.name=flowrl"]).algorithm)
     for key, value in (("ratios", "[0.5]"), ("hint_template", "'x {prefix}'")):
-        cfg = load_config(None, [f"algorithm.scaffold.{key}={value}"])
         with pytest.raises(ConfigError, match=rf"'algorithm.scaffold.{key}' has no effect unless algorithm.scaffold"):
-            resolve_algorithm(cfg.algorithm)
-    # At config load, as Guide's (config_loading.validate; the same shared refusals, named by scaffold's key).
+            resolve_algorithm(load_config(None, [f"algorithm.scaffold.{key}={value}"]).algorithm)
+    # At config load, as Guide's (config_checks; the same shared refusals, named by scaffold's key).
     with pytest.raises(ConfigError, match=r"algorithm.scaffold.enabled cannot be used with rollout.backend='vllm'.*"
                                           r"or set algorithm.scaffold.enabled=false"):
         load_config(None, ["algorithm.scaffold.enabled=true", "rollout.backend=vllm"])

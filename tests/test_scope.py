@@ -14,6 +14,7 @@ from anabranch import load_config, train
 from anabranch.algorithms.resolve import resolve_algorithm
 from anabranch.algorithms.scope import check_run, check_scope, first_wrong_step, prefix_length, scope_objective
 from anabranch.config import Config, ConfigError
+from anabranch.config_checks import check_whole_config
 from anabranch.config_algorithm_options import ScopeConfig
 from anabranch.rewards.registry import REWARDS
 from anabranch.rollout.base import Rollout, right_padded
@@ -278,7 +279,7 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     assert "algorithm.scope.step_threshold" in check_scope(_algo(scope=ScopeConfig(**on, step_threshold=0.0)))
     assert "algorithm.scope.max_per_group" in check_scope(_algo(scope=ScopeConfig(**on, max_per_group=0)))
     assert "algorithm.scope.shaping_gamma" in check_scope(_algo(scope=ScopeConfig(**on, shaping_gamma=-1.0)))
-    assert "has no effect unless algorithm.scope.enabled" in check_scope(_algo(scope=ScopeConfig(max_per_group=1)))
+    assert check_scope(_algo(scope=ScopeConfig(max_per_group=1))) is None  # a knob while off: config_checks._GATED
     assert "needs algorithm.scope.prm_path" in check_scope(_algo(scope=ScopeConfig(enabled=True, rectifier="r")))
     assert "loss='gspo'" in check_scope(_algo(loss="gspo", scope=ScopeConfig(**on)))
     from anabranch.config_algorithm_options import AMPOConfig
@@ -310,24 +311,44 @@ def test_refusals_name_the_keys(tiny_model_dir, write_jsonl, tmp_path):
     shaped.reward.prm_shaping = "clip"
     with pytest.raises(ConfigError, match="cannot be used with reward.prm_shaping=clip"):
         check_run(shaped)
-    # A Config built in code (never loaded): resolve_algorithm and Scope.create refuse the same.
+    # A Config built in code (never loaded): train()'s check_whole_config refuses the same.
     off = Config()
     off.algorithm.scope.max_per_group = 1
     with pytest.raises(ConfigError, match="'algorithm.scope.max_per_group' has no effect"):
-        resolve_algorithm(off.algorithm)
+        check_whole_config(off)
     code = load(**base, **{"rollout.n": 3})
     code.algorithm.scope.max_per_group = 3
     with pytest.raises(ConfigError, match="must be less than rollout.n=3"):
-        Scope.create(code, None, None)
+        check_whole_config(code)
+
+
+def test_rectifier_errors_name_the_scope_key(tiny_model_dir):
+    """The loader's and the vocabulary check's errors name algorithm.scope.rectifier, not KDRL's key."""
+    from anabranch.trainer.scope_rollouts import load_rectifier
+
+    class OtherTok:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    cfg = Config()
+    cfg.algorithm.scope.rectifier = tiny_model_dir
+    with pytest.raises(ConfigError, match=r"^algorithm\.scope\.rectifier='.*': the teacher's tokenizer has \d+ tokens, "
+                                          r"the student's 2") as err:
+        load_rectifier(cfg, OtherTok(), torch.device("cpu"))
+    assert "kdrl" not in str(err.value)
+    cfg.algorithm.scope.rectifier = "not a folder"
+    with pytest.raises(ConfigError, match="^algorithm.scope.rectifier='not a folder' could not be loaded"):
+        load_rectifier(cfg, OtherTok(), torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- a short run
 
 def test_two_step_run_trains_the_rectifier_tokens(tiny_model_dir, write_jsonl, tmp_path, monkeypatch):
+    import anabranch.rewards.prm as prm
     import anabranch.trainer.scope_rollouts as sr
 
     # Stub PRM: each token a step (the char model writes no "\n\n"), the third step the first wrong one.
-    monkeypatch.setattr(sr, "step_layout", lambda decode, ids, delim: ([decode([t]) for t in ids], list(range(len(ids)))))
+    monkeypatch.setattr(prm, "response_steps", lambda decode, ids, delim: ([decode([t]) for t in ids], list(range(len(ids)))))
     monkeypatch.setattr(sr, "prm_scorer", lambda path, device: (
         lambda questions, steps: [[0.9, 0.9] + [0.1] * (len(s) - 2) for s in steps]))
     rows = [{"prompt": f"Q{i}: count", "answer": "even"} for i in range(12)]

@@ -193,9 +193,8 @@ def test_refusals_name_the_keys():
 def test_refused_with_losses_that_read_a_reward_from_the_advantages_or_never_read_them(name):
     # flowrl, fdpg, rover, brain: advantage_is_reward; reasonmaxxer, pacs: ignores_advantages (the probe pass
     # would run every step for nothing).
-    cfg = load_config(None, [f"algorithm.name={name}", "algorithm.spae_coef=0.5"])
-    with pytest.raises(ConfigError, match=f"algorithm.spae_coef > 0 with loss='{name}'"):
-        resolve_algorithm(cfg.algorithm)
+    with pytest.raises(ConfigError, match=f"algorithm.spae_coef > 0 with loss='{name}'"):  # refused at load now
+        resolve_algorithm(load_config(None, [f"algorithm.name={name}", "algorithm.spae_coef=0.5"]).algorithm)
     resolve_algorithm(load_config(None, [f"algorithm.name={name}"]).algorithm)  # the loss itself is fine
 
 

@@ -79,7 +79,7 @@ def test_gradient_of_the_weighted_loss_by_hand():
     assert lp.grad[0].tolist() == pytest.approx([-lam[0] * 1 / 3, 0.0, -lam[2] * (-1) / 3, 0.0], abs=1e-12)
     clipped_term = -1.0 * (1 + 0.28) * lam[1]
     assert loss.item() == pytest.approx((-lam[0] + clipped_term + lam[2]) / 3)
-    assert metrics["clip_frac"] == pytest.approx(1 / 3) and metrics["steer/weight_min"] == pytest.approx(0.8)
+    assert metrics["clip_frac"] == pytest.approx(1 / 3) and metrics["steer/weight_min_mb_mean"] == pytest.approx(0.8)
     assert metrics["steer/omega_mean"] == pytest.approx(sum(hand) / 3)
 
 
@@ -134,8 +134,11 @@ def test_recipe_and_refusals_of_a_config_built_in_code(tiny_model_dir):
     assert (cfg.loss, cfg.advantage, cfg.clip_ratio_high, cfg.clip_ratio_c) == ("steer", "grpo", 0.28, 10.0)
     algo = resolve_algorithm(cfg)
     assert not algo.inert_at_zero_advantage  # its max |Ω| is over the micro-batch: rows cannot be left out
-    with pytest.raises(ConfigError, match="algorithm.steer_weight_min.*algorithm.loss=steer"):
-        resolve_algorithm(AlgorithmConfig(name="grpo", steer_weight_min=0.5))
+    from anabranch.config import Config
+    from anabranch.config_checks import check_whole_config
+
+    with pytest.raises(ConfigError, match="algorithm.steer_weight_min.*algorithm.loss=steer"):  # train()'s check
+        check_whole_config(Config(algorithm=AlgorithmConfig(name="grpo", steer_weight_min=0.5)))
     with pytest.raises(ConfigError, match="steer_weight_max"):
         resolve_algorithm(AlgorithmConfig(name="steer", steer_weight_max=2.0))
 
@@ -177,6 +180,34 @@ def _train(model, algo, steps, lr=0.5):
     return delta, metrics, after
 
 
+def test_extreme_metrics_are_the_token_share_mean_of_each_micro_batchs_extreme(model):
+    """The trainer averages metrics over micro-batches by token share: a micro-batch's max |Ω| (and min λ) is
+    logged as that mean (``_mb_mean``), not as the batch's max, and that is what each micro-batch's k used."""
+    from anabranch.trainer.step import policy_update
+
+    ro = _batch(model.config.vocab_size)
+    # Rows 0-3 (the first micro-batch of 4) get |Â| = 1, rows 4-7 |Â| = 0.05: Ω ∝ Â, so their maxima differ.
+    scale = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.05, -0.05, -0.05, 0.05])
+    adv = scale[:, None].expand(8, 6).clone()
+    with torch.no_grad():  # π_θ = π_old on the one pass; H from the same forward
+        ids = torch.cat([ro.prompt_ids, ro.response_ids], 1)
+        lp_all = model(ids).logits[:, ro.prompt_ids.shape[1] - 1:-1].float().log_softmax(-1)
+        lp = lp_all.gather(-1, ro.response_ids[..., None])[..., 0]
+        ent = -(lp_all.exp() * lp_all).sum(-1)
+    omega = entropy_change_estimate(lp, lp, ent, adv, torch.ones(8, 6)).abs()
+    tops = [omega[:4].max().item(), omega[4:].max().item()]
+    lam_min = [math.exp(math.log(0.8) / max(t, 0.02) * t) for t in tops]  # λ of each micro-batch's largest |Ω|
+    assert tops[0] > 2 * tops[1] and tops[1] < 0.02 < tops[0]  # the second micro-batch is under the floor
+    algo = resolve_algorithm(AlgorithmConfig(name="steer"))
+    m = policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), ro, adv, torch.zeros(8), algo,
+                      micro_batch_size=4, grad_clip=0.0, temperature=1.0, max_response_len=6)
+    assert m["steer/abs_omega_max_mb_mean"] == pytest.approx((tops[0] + tops[1]) / 2, rel=1e-4)
+    assert m["steer/abs_omega_max_mb_mean"] < 0.9 * max(tops)  # not the batch's max
+    assert m["steer/weight_min_mb_mean"] == pytest.approx((lam_min[0] + lam_min[1]) / 2, rel=1e-4)
+    assert lam_min[0] == pytest.approx(0.8) and lam_min[1] > 0.8
+    assert "steer/abs_omega_max" not in m and "steer/weight_min" not in m
+
+
 def test_weight_min_one_is_exactly_the_grpo_update(model):
     same = dict(clip_ratio_high=0.28, clip_ratio_c=10.0)
     _, _, grpo = _train(model, resolve_algorithm(AlgorithmConfig(name="grpo", **same)), 1)
@@ -188,7 +219,7 @@ def test_tiny_model_entropy_moves_less_than_under_grpo_from_the_same_start(model
     same = dict(clip_ratio_high=0.28, clip_ratio_c=10.0)
     d_grpo, _, _ = _train(model, resolve_algorithm(AlgorithmConfig(name="grpo", **same)), 3)
     d_steer, m, _ = _train(model, resolve_algorithm(AlgorithmConfig(name="steer", steer_weight_min=0.1)), 3)
-    assert m["steer/weight_min"] < 1.0 and m["steer/weight_mean"] < 1.0
+    assert m["steer/weight_min_mb_mean"] < 1.0 and m["steer/weight_mean"] < 1.0
     assert d_grpo.abs().mean() > 0.005  # GRPO's steps move the entropy
     assert d_steer.abs().mean() < 0.8 * d_grpo.abs().mean() and abs(d_steer.mean()) < abs(d_grpo.mean())
 

@@ -12,6 +12,7 @@ import torch
 from anabranch.algorithms import ADVANTAGES, resolve_algorithm
 from anabranch.algorithms.weighted_grpo import weighted_grpo_advantage
 from anabranch.config import AlgorithmConfig, Config, ConfigError
+from anabranch.config_checks import check_whole_config
 from anabranch.trainer.prompt_pairing import PromptPairing
 from test_prompt_pairing import fake_components, paired_cfg, pairing_run, rate_task
 
@@ -74,7 +75,7 @@ def test_neg_weight_without_weighted_grpo_is_refused():
 def test_weighted_grpo_without_pairing_is_refused():
     cfg = dataclasses.replace(Config(), algorithm=algo_cfg())
     with pytest.raises(ConfigError, match=r"algorithm\.advantage=weighted_grpo.*task\.pairing=true"):
-        PromptPairing.create(cfg)
+        check_whole_config(cfg)  # what train() runs first, for this Config built in code
     assert PromptPairing.create(dataclasses.replace(paired_cfg(), algorithm=algo_cfg())) is not None
 
 

@@ -57,9 +57,12 @@ RATIO_LOSSES = ("ppo_clip", "gspo", "cispo", "clip_cov", "kl_cov")
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio) to spread the seed parts apart
 
 
-def check_keys(cfg) -> None:
-    """``algorithm.alp`` key ranges and the loss (``cfg``: the AlgorithmConfig, ALP on)."""
+def check_alp(cfg) -> None:
+    """``algorithm.alp`` key ranges and the loss (``cfg``: the AlgorithmConfig; resolve.check_ranges). Its knobs
+    set while it is off are refused by config_checks._GATED."""
     a = cfg.alp
+    if not a.enabled:
+        return
     if not (math.isfinite(a.init_std) and a.init_std > 0):
         raise ConfigError(f"algorithm.alp.init_std must be a positive number (got {a.init_std}); it is σ_l's start, "
                           "learned in log space")
@@ -77,10 +80,7 @@ def check_keys(cfg) -> None:
 def alp_needs(cfg) -> tuple[str, ...]:
     """π_old must be the *unperturbed* model: without ``old_log_prob`` the update would take its own
     (perturbed) forward, detached, as π_old and the ratio would be exactly 1."""
-    if not cfg.alp.enabled:
-        return ()
-    check_keys(cfg)
-    return ("old_log_prob",)
+    return ("old_log_prob",) if cfg.alp.enabled else ()
 
 
 def alp_modules(cfg) -> dict:
@@ -97,28 +97,11 @@ def num_layers_of(model_config) -> int:
     return int(n)
 
 
-def inactive_knob(a) -> str | None:
-    """The refusal of an ``algorithm.alp`` knob set while ALP is off (it would do nothing), or None."""
-    from anabranch.config_algorithm_options import ALPConfig
-
-    if a.enabled:
-        return None
-    default = ALPConfig()
-    for key in ("init_std", "learnable", "lr_multiplier", "start_layer", "end_layer", "seed"):
-        if getattr(a, key) != getattr(default, key):
-            return (f"config key 'algorithm.alp.{key}' has no effect unless algorithm.alp.enabled=true "
-                    f"(got {getattr(a, key)!r}); set algorithm.alp.enabled=true or leave it at its default")
-    return None
-
-
 def check_run(cfg) -> None:
-    """At config load (config_loading.validate; ``cfg``: the whole Config): ALP's keys, the loss, and the
-    settings its hooks cannot take."""
+    """At config load and train() start (config_checks; ``cfg``: the whole Config): the settings its hooks
+    cannot take (its keys and the loss: :func:`check_alp`, from resolve.check_ranges)."""
     if not cfg.algorithm.alp.enabled:
-        if (error := inactive_knob(cfg.algorithm.alp)) is not None:
-            raise ConfigError(error)
         return
-    check_keys(cfg.algorithm)
     if getattr(cfg.trainer, "compile_layers", False):
         # torch.compile traces each layer's call, hooks included: the on/off flag and the seed would be
         # baked into the graph (or force a recompile per pass).

@@ -55,8 +55,7 @@ import math
 
 import torch
 
-# shaped_prob / off_policy_loss_mat are re-exported here: AMPO's tests and callers import them from this module.
-from anabranch.algorithms.off_policy_split import off_policy_loss_mat, shaped_prob, split_objective  # noqa: F401
+from anabranch.algorithms.off_policy_split import AMPO_SHAPED, off_policy_rows_problem, shaped_objective
 
 # Objectives whose per-row loss can leave the injected rows out (their mask), beside the shaped term.
 AMPO_LOSSES = ("ppo_clip", "cispo", "gspo")
@@ -88,16 +87,14 @@ def ampo_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, inje
     out) plus agg(−f(π_θ)·Â) on the injected rows (``injected``: [b] bool), algorithms/off_policy_split.py's
     split shared with SCOPE; its metrics with ``ampo/shaped_prob`` (mean f over the injected tokens of this
     micro-batch, 0 without any; the update averages it over micro-batches by token share, so it is diluted
-    by rows without any)."""
-    rows = injected.to(mask.device).bool()[:, None].expand(mask.shape)
-    loss, metrics, shaped = split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, rows, gamma, agg)
-    # The key on every micro-batch of every rank (DDP's metric all-reduce needs the same keys everywhere).
-    return loss, {**metrics, "ampo/shaped_prob": shaped}
+    by rows without any). trainer/step.py calls ``shaped_objective`` itself, for AMPO and SCOPE alike."""
+    return shaped_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, injected, gamma, agg, AMPO_SHAPED)
 
 
 def check_ampo(cfg) -> str | None:
     """The first problem with ``cfg.ampo`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
-    algorithm config, or None. Its knobs set while it is off are refused too (they would do nothing)."""
+    algorithm config, or None (resolve.check_ranges). Its knobs set while it is off are refused by
+    config_checks._GATED."""
     a, num = cfg.ampo, (int, float)
     checks = [
         (isinstance(a.enabled, bool), "enabled", "must be true or false"),
@@ -114,7 +111,7 @@ def check_ampo(cfg) -> str | None:
         if not ok:
             return f"algorithm.ampo.{key} {why} (got {getattr(a, key)!r})"
     if not a.enabled:
-        return inactive_knob(a)
+        return None
     if cfg.loss not in AMPO_LOSSES:
         return (f"algorithm.ampo.enabled: the injected teacher rows leave the ratio objective for their own shaped "
                 f"term, which is implemented for loss {', '.join(AMPO_LOSSES)}, not loss={cfg.loss!r}; set "
@@ -143,54 +140,24 @@ def check_ampo(cfg) -> str | None:
     return None
 
 
-def inactive_knob(a) -> str | None:
-    """The refusal of an ``algorithm.ampo`` knob set while AMPO is off (it would do nothing), or None. Run at
-    config load (config_loading._refuse_inactive) and again at resolution, for configs built in code."""
-    from anabranch.config_algorithm_options import AMPOConfig
-
-    if a.enabled:
-        return None
-    default = AMPOConfig()
-    for key in ("solutions_column", "num_replace", "selection", "shaping_gamma"):
-        if getattr(a, key) != getattr(default, key):
-            return (f"config key 'algorithm.ampo.{key}' has no effect unless algorithm.ampo.enabled=true "
-                    f"(got {getattr(a, key)!r}); set algorithm.ampo.enabled=true or leave it at its default")
-    return None
-
-
 def run_problem(cfg) -> str | None:
     """The first whole-config combination AMPO cannot take (``cfg``: the whole Config, AMPO on), or None.
-    Checked at config load (:func:`check_run`) and again by trainer/ampo_step.py's AMPO.create."""
-    a, why = cfg.algorithm.ampo, None
+    Checked by :func:`check_run`, at config load and again first thing in train() (config_checks)."""
+    a = cfg.algorithm.ampo
     if isinstance(a.num_replace, int) and a.num_replace >= cfg.rollout.n:
         # A guided group of teacher solutions only is all correct: its advantages are all 0.
         return (f"algorithm.ampo.num_replace={a.num_replace} must be less than rollout.n={cfg.rollout.n}: a guided "
                 "group of teacher solutions only is all correct, so its advantages are all 0 and nothing is learned; "
                 "lower algorithm.ampo.num_replace or raise rollout.n")
-    if cfg.rollout.backend != "hf":
-        why = (f"rollout.backend={cfg.rollout.backend!r}: its samples carry the engine's log-probs, the teacher rows "
-               "none, and AMPO is implemented and tested with the hf backend only; set rollout.backend=hf")
-    elif cfg.rollout.tools:
-        why = "rollout.tools: a teacher's solution text has no tool turns to mask; leave rollout.tools empty"
-    elif cfg.rollout.retry_turns >= 2:
-        why = "rollout.retry_turns: a teacher's solution is single-turn; set rollout.retry_turns=0"
-    elif cfg.task.pairing:
-        why = "task.pairing: prompt pairing trains fixed (q+, q−) groups of their own samples; set task.pairing=false"
-    elif cfg.rollout.temperature_schedule != "constant":
-        why = (f"rollout.temperature_schedule={cfg.rollout.temperature_schedule!r}: the teacher rows have no sampler "
-               "log-probs at each position's scheduled temperature; set rollout.temperature_schedule=constant")
-    elif cfg.task.curriculum != "none":
-        why = (f"task.curriculum={cfg.task.curriculum!r}: the curriculum reads each source's mean |advantage|, which "
-               "the teacher rows make non-zero on exactly the prompts the policy fails; set task.curriculum=none")
-    if why is None:
-        return None
-    return f"algorithm.ampo.enabled cannot be used with {why}, or set algorithm.ampo.enabled=false"
+    return off_policy_rows_problem(cfg, "algorithm.ampo.enabled", "the teacher rows",
+                                   "a teacher's solution text has no tool turns to mask",
+                                   "a teacher's solution is single-turn")
 
 
 def check_run(cfg) -> None:
-    """At config load (config_loading.validate; ``cfg`` loaded, its recipe applied): AMPO's key checks
-    (resolve_algorithm repeats them for configs built in code) and :func:`run_problem`, before any model loads."""
+    """At config load and train() start (config_checks; ``cfg`` with its recipe applied): :func:`run_problem`,
+    before any model loads (its keys: :func:`check_ampo`, from resolve.check_ranges, which runs first)."""
     from anabranch.config import ConfigError
 
-    if cfg.algorithm.ampo.enabled and (error := check_ampo(cfg.algorithm) or run_problem(cfg)):
+    if cfg.algorithm.ampo.enabled and (error := run_problem(cfg)):
         raise ConfigError(error)

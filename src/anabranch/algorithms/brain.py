@@ -68,14 +68,9 @@ from anabranch.config import AlgorithmConfig, ConfigError
 
 
 def check_brain(cfg: AlgorithmConfig) -> str | None:
-    """brain_beta's range, and its refusal with another loss. config_loading's _GATED gives the same refusal at
-    load; this one also stops a Config built in code and passed to train() (check_ranges calls it)."""
+    """brain_beta's range (resolve.check_ranges); config_checks._GATED refuses it with another loss."""
     if not (cfg.brain_beta > 0 and math.isfinite(cfg.brain_beta)):
         return f"algorithm.brain_beta must be positive and finite, the temperature of exp(r/β) (got {cfg.brain_beta!r})"
-    if cfg.loss != "brain" and cfg.brain_beta != AlgorithmConfig.brain_beta:  # the dataclass default
-        from anabranch.config_loading import inactive_key_error
-
-        return inactive_key_error("algorithm.brain_beta", cfg.brain_beta, "algorithm.loss=brain (algorithm.name=brain)")
     return None
 
 

@@ -53,6 +53,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from anabranch.algorithms.aggregation import masked_mean
+
 BASELINES = ("token", "mean")
 
 
@@ -89,27 +91,14 @@ def calibrl_loss(log_prob: torch.Tensor, baseline: torch.Tensor, advantages: tor
     with torch.no_grad():
         gap = -torch.sign(advantages.detach()) * (log_prob.detach() - baseline.to(log_prob.dtype))
         live = mask * (advantages.detach() != 0).to(mask.dtype)
-        moderated = float(((gap < 0).to(mask.dtype) * live).sum() / live.sum().clamp(min=1))
+        moderated = float(masked_mean((gap < 0).to(mask.dtype), live))
     return loss, {"calibrl/loss": float(loss.detach()), "calibrl/moderated_frac": moderated}
-
-
-def inactive_knob(c) -> str | None:
-    """The refusal of an ``algorithm.calibrl`` knob set while CalibRL is off (it would do nothing), or None."""
-    from anabranch.config_algorithm_options import CalibRLConfig
-
-    if c.enabled:
-        return None
-    default = CalibRLConfig()
-    for key in ("coef", "negative_slope", "baseline", "demonstration_template", "max_demonstration_tokens"):
-        if getattr(c, key) != getattr(default, key):
-            return (f"config key 'algorithm.calibrl.{key}' has no effect unless algorithm.calibrl.enabled=true "
-                    f"(got {getattr(c, key)!r}); set algorithm.calibrl.enabled=true or leave it at its default")
-    return None
 
 
 def check_calibrl(cfg) -> str | None:
     """The first problem with ``cfg.calibrl`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
-    algorithm config, or None."""
+    algorithm config, or None (resolve.check_ranges). Its knobs set while it is off are refused by
+    config_checks._GATED."""
     from anabranch.algorithms.registries import OBJECTIVES
 
     c, num = cfg.calibrl, (int, float)
@@ -130,7 +119,7 @@ def check_calibrl(cfg) -> str | None:
         if not ok:
             return f"algorithm.calibrl.{key} {why} (got {getattr(c, key)!r})"
     if not c.enabled:
-        return inactive_knob(c)
+        return None
     meta = OBJECTIVES.meta(cfg.loss)
     if meta.get("advantage_is_reward") or meta.get("ignores_advantages"):
         return (f"algorithm.calibrl.enabled: CalibRL weights its guided term by the sample's advantage |Â| and orients "
@@ -138,8 +127,7 @@ def check_calibrl(cfg) -> str | None:
                 "which does not train on advantages; set algorithm.calibrl.enabled=false or another algorithm.loss")
     for other, on in (("hpt", cfg.hpt.enabled), ("rl_plus", cfg.rl_plus.enabled), ("ampo", cfg.ampo.enabled),
                       ("guide", cfg.guide.enabled), ("scaffold", cfg.scaffold.enabled),
-                      # SCOPE's rewritten samples carry off-policy rectifier tokens (getattr: a newer section)
-                      ("scope", getattr(getattr(cfg, "scope", None), "enabled", False))):
+                      ("scope", cfg.scope.enabled)):  # SCOPE's rewritten samples carry off-policy rectifier tokens
         if on:
             return (f"algorithm.calibrl.enabled with algorithm.{other}.enabled: both use the prompt's reference solution "
                     "(CalibRL as a baseline for the policy's own samples; the other trains on it, or replaces the "
@@ -166,8 +154,9 @@ def run_problem(cfg) -> str | None:
 
 
 def check_run(cfg) -> None:
-    """At config load (``cfg`` loaded, its recipe applied): the key checks and :func:`run_problem`."""
+    """At config load and train() start (config_checks; ``cfg`` with its recipe applied): :func:`run_problem`
+    (its keys: :func:`check_calibrl`, from resolve.check_ranges, which runs first)."""
     from anabranch.config import ConfigError
 
-    if (error := check_calibrl(cfg.algorithm)) or (cfg.algorithm.calibrl.enabled and (error := run_problem(cfg))):
+    if cfg.algorithm.calibrl.enabled and (error := run_problem(cfg)):
         raise ConfigError(error)

@@ -69,16 +69,25 @@ def phase_weight(step: int, horizon: int, gamma: float = 3.0) -> float:
     return 0.8 * math.exp(-gamma * (p - half) / (horizon - half))
 
 
+def band_entropy(ent: torch.Tensor, mask: torch.Tensor, mode: str = "token") -> torch.Tensor:
+    """[B, T] the entropy the band acts on: each token's (``token``), or each row's mean over its response tokens
+    repeated on them (``seq``); differentiable in ``ent``. ``mask``: [B, T] in ``ent``'s dtype."""
+    if mode == "seq":
+        return ((ent * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(ent)
+    return ent
+
+
+def hinge(h: torch.Tensor, mask: torch.Tensor, h_bar: float, low: float, high: float) -> torch.Tensor:
+    """[B, T]: P(H) = [low·H̄ − H]₊ + [H − high·H̄]₊ of :func:`band_entropy`'s ``h``, 0 off the mask."""
+    return (torch.relu(low * h_bar - h) + torch.relu(h - high * h_bar)) * mask
+
+
 def band_penalty(ent: torch.Tensor, mask: torch.Tensor, h_bar: float, low: float, high: float,
                  mode: str = "token") -> torch.Tensor:
     """[B, T]: P(H) = [low·H̄ − H]₊ + [H − high·H̄]₊ per token (``token``) or of each row's mean entropy
     over its response tokens, repeated on them (``seq``); differentiable in ``ent``, 0 off the mask."""
     mask = mask.to(ent.dtype)
-    if mode == "seq":
-        h = ((ent * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(ent)
-    else:
-        h = ent
-    return (torch.relu(low * h_bar - h) + torch.relu(h - high * h_bar)) * mask
+    return hinge(band_entropy(ent, mask, mode), mask, h_bar, low, high)
 
 
 class EpoHistory:
@@ -145,10 +154,10 @@ class EpoPass:
             self.seen.setdefault(int(r), (s, c))
         if not self.active:
             return ent.new_zeros(()), {}
-        pen = band_penalty(ent, m, self.h_bar, self.state.low, self.state.high, self.state.mode)
+        h = band_entropy(ent, m, self.state.mode)  # seq: each row's mean, taken once for the term and its metrics
+        pen = hinge(h, m, self.h_bar, self.state.low, self.state.high)
         with torch.no_grad():
-            h = ent.detach() if self.state.mode == "token" else (
-                (ent.detach() * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).expand_as(ent)
+            h = h.detach()
             metrics = {"epo/below": masked_mean((h < self.state.low * self.h_bar).float(), m).item(),
                        "epo/above": masked_mean((h > self.state.high * self.h_bar).float(), m).item(),
                        "epo/penalty": masked_mean(pen.detach(), m).item()}

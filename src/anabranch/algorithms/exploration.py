@@ -26,6 +26,12 @@ def entropy_shaped_advantage(advantages: torch.Tensor, entropy: torch.Tensor, al
     return advantages + torch.minimum(alpha * entropy.detach(), advantages.abs() / kappa)
 
 
+def top_k_count(frac: float, n: int) -> int:
+    """k = ⌈frac · n⌉ clamped to [1, n] (n ≥ 1): how many of n entries the top ``frac`` keeps."""
+    # frac·n in floating point can land just above an integer (0.07·100 = 7.000000000000001).
+    return min(n, max(1, math.ceil(frac * n - 1e-9)))
+
+
 def top_fraction_mask(values: torch.Tensor, mask: torch.Tensor, frac: float) -> torch.Tensor:
     """Bool [same shape]: the entries under ``mask`` whose value is >= the k-th largest of them,
     k = ⌈frac · n⌉ (n the masked entries; ties with the k-th are all kept, so a threshold, not a count).
@@ -38,9 +44,7 @@ def top_fraction_mask(values: torch.Tensor, mask: torch.Tensor, frac: float) -> 
     n = picked.numel()
     if n == 0:
         return torch.zeros_like(valid)
-    # frac·n in floating point can land just above an integer (0.07·100 = 7.000000000000001).
-    k = min(n, max(1, math.ceil(frac * n - 1e-9)))
-    cutoff = torch.topk(picked.float(), k).values[-1]
+    cutoff = torch.topk(picked.float(), top_k_count(frac, n)).values[-1]
     return valid & (values.detach().float() >= cutoff)
 
 

@@ -18,15 +18,7 @@ import math
 
 import torch
 
-from anabranch.algorithms.exploration import top_fraction_mask
-
-
-def _all_gather(dist, t: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``t`` (one shape on all ranks), concatenated in rank order, on the CPU."""
-    t = t.to(dist.accelerator.device)
-    out = [torch.empty_like(t) for _ in range(dist.world_size)]
-    torch.distributed.all_gather(out, t)
-    return torch.cat(out).cpu()
+from anabranch.algorithms.exploration import top_fraction_mask, top_k_count
 
 
 @torch.no_grad()
@@ -41,11 +33,10 @@ def global_top_fraction_mask(values: torch.Tensor, mask: torch.Tensor, frac: flo
     n = int(dist.all_reduce_sum(torch.tensor([float(picked.numel())], dtype=torch.float64))[0].item())
     if n == 0:
         return torch.zeros_like(valid)
-    # As top_fraction_mask: frac·n in floating point can land just above an integer.
-    k = min(n, max(1, math.ceil(frac * n - 1e-9)))
+    k = top_k_count(frac, n)
     local = torch.full((k,), -math.inf, dtype=torch.float32)
     m = min(k, picked.numel())
-    if m:
-        local[:m] = torch.topk(picked.cpu(), m).values
-    cutoff = torch.topk(_all_gather(dist, local), k).values[-1].to(values.device)
+    if m:  # the local top m on the values' device; only those m values move
+        local[:m] = torch.topk(picked, m).values.cpu()
+    cutoff = torch.topk(dist.all_gather(local), k).values[-1].to(values.device)
     return valid & (values.detach().float() >= cutoff)

@@ -138,7 +138,7 @@ def check_guide(cfg) -> str | None:
 
 
 def check_run(cfg) -> None:
-    """Combinations of the whole config refused before any model loads (config_loading.validate)."""
+    """Combinations of the whole config refused before any model loads (config_checks)."""
     if cfg.algorithm.guide.enabled:
         refuse_hint_resampling(cfg, "algorithm.guide.enabled", "Guide")
 

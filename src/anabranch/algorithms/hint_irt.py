@@ -200,9 +200,9 @@ class HintIRT:
         self.stored = {str(k): float(v) for k, v in state.get("stored", {}).items()}
 
 
-def check_irt(s, default) -> str | None:
-    """The first problem with the IRT schedule's keys of ``s`` (a ScaffoldConfig; ``default`` its defaults),
-    or None: their ranges, and each refused while the schedule that reads it is not the one chosen."""
+def check_irt(s) -> str | None:
+    """The first problem with the IRT schedule's keys of ``s`` (a ScaffoldConfig, scaffolding on), or None:
+    their ranges, and each refused while the schedule that reads it is not the one chosen."""
     num = (int, float)
     if s.schedule not in ("stages", "irt"):
         return f"algorithm.scaffold.schedule must be 'stages' (GHPO's fixed ratios) or 'irt' (SEELE) (got {s.schedule!r})"
@@ -220,11 +220,9 @@ def check_irt(s, default) -> str | None:
     for ok, key, why in checks:
         if not ok:
             return f"algorithm.scaffold.{key} {why} (got {getattr(s, key)!r})"
-    irt_keys = ("irt_target", "irt_tolerance", "irt_rounds", "irt_initial_ratio")
-    inactive = ("ratios",) if s.schedule == "irt" else irt_keys
-    for key in inactive:
-        if getattr(s, key) != getattr(default, key):
-            needs = "algorithm.scaffold.schedule=stages" if key == "ratios" else "algorithm.scaffold.schedule=irt"
-            return (f"config key 'algorithm.scaffold.{key}' has no effect unless {needs} (got {getattr(s, key)!r}); "
-                    f"set {needs} or leave it at its default")
-    return None
+    from anabranch.config_checks import section_knob_error
+
+    if s.schedule == "irt":
+        return section_knob_error(s, "algorithm.scaffold", "algorithm.scaffold.schedule=stages", ("ratios",))
+    return section_knob_error(s, "algorithm.scaffold", "algorithm.scaffold.schedule=irt",
+                              ("irt_target", "irt_tolerance", "irt_rounds", "irt_initial_ratio"))

@@ -17,6 +17,9 @@ split into a part of a tokens and a part of b tokens would contribute mean_a + m
 weight. Under that mode each part's per-token loss is scaled by its share of the row, a / (a + b) and
 b / (a + b), so the row contributes (Σ_a L + Σ_b L) / (a + b), the mean over all its tokens, as any row.
 (AMPO's rows are whole, shares 1, so this changes nothing for it.)
+
+Also here: the shaped objective with its metric for trainer/step.py (:func:`off_policy_inputs`,
+:func:`shaped_objective`), and the rollout/task settings both methods refuse (:func:`off_policy_rows_problem`).
 """
 
 from __future__ import annotations
@@ -71,3 +74,57 @@ def split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off
             f = shaped_prob(log_prob.detach(), gamma)
             shaped = float((f * off_mask).sum() / off_mask.sum().clamp(min=1))
     return loss, metrics, shaped
+
+
+# Each method's metric of the mean f over its off-policy tokens.
+AMPO_SHAPED, SCOPE_SHAPED = "ampo/shaped_prob", "scope/shaped_prob"
+
+
+def shaped_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off: torch.Tensor, gamma: float, agg,
+                     metric: str):
+    """:func:`split_objective`'s loss and the objective's metrics with ``metric`` = mean f over the off-policy
+    tokens (0 without any). ``off``: [b] bool (whole rows, AMPO's injected teacher rows) or [b, T] bool (tokens,
+    SCOPE's rectifier tokens). The key is on every micro-batch of every rank (DDP's metric all-reduce needs the
+    same keys everywhere)."""
+    off = off.to(mask.device).bool()
+    if off.dim() == 1:
+        off = off[:, None].expand(mask.shape)
+    loss, metrics, shaped = split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off, gamma, agg)
+    return loss, {**metrics, metric: shaped}
+
+
+def off_policy_inputs(pre: dict, cfg) -> tuple[torch.Tensor, float, str] | None:
+    """(off-policy marks [B] or [B, R], γ, metric key) of this update, for :func:`shaped_objective`: SCOPE's
+    rectifier tokens (``precomputed["scope_off_tokens"]``) or AMPO's injected rows (``["ampo_rows"]``); None
+    for neither (the two refuse each other). ``cfg``: the AlgorithmConfig."""
+    if (off := pre.get("scope_off_tokens")) is not None:
+        return off, cfg.scope.shaping_gamma, SCOPE_SHAPED
+    if (off := pre.get("ampo_rows")) is not None:
+        return off, cfg.ampo.shaping_gamma, AMPO_SHAPED
+    return None
+
+
+def off_policy_rows_problem(cfg, key: str, what: str, tools_why: str, retry_why: str, more=()) -> str | None:
+    """The first rollout/task setting that a method training off-policy tokens cannot take, as the refusal of
+    ``key`` (its switch, e.g. ``algorithm.ampo.enabled``), or None. ``cfg``: the whole Config; ``what`` names
+    the off-policy tokens ("the teacher rows"); ``tools_why`` / ``retry_why``: why tool turns / retry turns
+    cannot be; ``more``: the method's own (refused, why) pairs, checked after the retry turns."""
+    r, t = cfg.rollout, cfg.task
+    method = key.split(".")[1].upper()
+    checks = (
+        (r.backend != "hf", f"rollout.backend={r.backend!r}: its samples carry the engine's log-probs, {what} none, "
+                            f"and {method} is implemented and tested with the hf backend only; set rollout.backend=hf"),
+        (bool(r.tools), f"rollout.tools: {tools_why}; leave rollout.tools empty"),
+        (r.retry_turns >= 2, f"rollout.retry_turns: {retry_why}; set rollout.retry_turns=0"),
+        *more,
+        (bool(t.pairing), "task.pairing: prompt pairing trains fixed (q+, q−) groups of their own samples; set "
+                          "task.pairing=false"),
+        (r.temperature_schedule != "constant", f"rollout.temperature_schedule={r.temperature_schedule!r}: {what} "
+         "have no sampler log-probs at each position's scheduled temperature; set "
+         "rollout.temperature_schedule=constant"),
+        (t.curriculum != "none", f"task.curriculum={t.curriculum!r}: the curriculum reads each source's mean "
+                                 f"|advantage|, which {what} change on exactly the prompts the policy fails; set "
+                                 "task.curriculum=none"),
+    )
+    why = next((why for bad, why in checks if bad), None)
+    return None if why is None else f"{key} cannot be used with {why}, or set {key}=false"

@@ -51,6 +51,14 @@ and grows as the head separates right from wrong (the role of their freeze). The
 wrong trajectory per prompt (filter_trajectory) after computing A on all 16; here every sample of the group is
 trained. The reference-model KL, ``algorithm.kl_coef``, is the library's (the recipe sets the authors' 0.01, k3).
 
+Code vs paper on the positives. The paper reshapes the rewards of the **negative** samples only: the positives get
+plain behaviour cloning (a_i = 1), and an author reply on the OREAL repository (reported to this library's review;
+not re-read here) says so. The authors' released config sets pos_mult_adv=True, which also multiplies the
+positives' cloning by A_i = 2(n−k)/(n−1): more weight on a correct sample of a hard prompt, none on an all-correct
+group. The default here, ``oreal_pos_mult_adv=true``, follows the released code, since that is what trained the
+published models; ``oreal_pos_mult_adv=false`` is the paper's plain BC. Plain BC is refused with
+``algorithm.dynamic_sampling=true``: it is meant to clone all-correct groups too, and dynamic sampling drops them.
+
 The coefficients (A, 1/T±, the head's 1/N) are computed once per update over the whole batch (``oreal_precompute``,
 the objective's precompute hook), so micro-batch splits give the single-pass gradient; under DDP T+, T− and N are
 summed over the ranks and divided by the world size (DDP averages gradients), as for ``token-mean``.
@@ -58,7 +66,6 @@ summed over the ranks and divided by the world size (DDP averages gradients), as
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -70,12 +77,12 @@ from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 
 NAME = "oreal"
 TOKEN_RM = "oreal_token_rm"  # the head's name in the trainer's modules (saved in checkpoints, never exported)
-_KEYS = ("oreal_neg_weight", "oreal_pos_mult_adv", "oreal_token_rm")
 
 
 def check_oreal(cfg) -> str | None:
-    """The keys' ranges, the keys set without loss=oreal (_GATED's message, for configs built in code), and what
-    cannot act with loss=oreal. An error message or None."""
+    """The keys' ranges and what cannot act with loss=oreal (resolve.check_ranges). An error message or None.
+    The keys set without loss=oreal (or the head's learning rate without the head) are refused by
+    config_checks._GATED, the options that reshape advantages by resolve.check_ranges (ignores_advantages)."""
     eta, lr_mult = cfg.oreal_neg_weight, cfg.oreal_token_rm_lr_multiplier
     if not (isinstance(eta, (int, float)) and 0 <= eta < math.inf):
         return f"algorithm.oreal_neg_weight must be a finite number >= 0, the weight η of the wrong samples' term (got {eta!r})"
@@ -85,17 +92,8 @@ def check_oreal(cfg) -> str | None:
     for key in ("oreal_pos_mult_adv", "oreal_token_rm"):
         if not isinstance(getattr(cfg, key), bool):
             return f"algorithm.{key} must be true or false (got {getattr(cfg, key)!r})"
-    defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.default is not dataclasses.MISSING}
-    from anabranch.config_loading import inactive_key_error
-
     if cfg.loss != NAME:
-        for key in _KEYS + ("oreal_token_rm_lr_multiplier",):
-            if getattr(cfg, key) != defaults[key]:
-                return inactive_key_error(f"algorithm.{key}", getattr(cfg, key), f"algorithm.loss={NAME} (algorithm.name={NAME})")
         return None
-    if not cfg.oreal_token_rm and lr_mult != defaults["oreal_token_rm_lr_multiplier"]:
-        return inactive_key_error("algorithm.oreal_token_rm_lr_multiplier", lr_mult,
-                                  f"algorithm.loss={NAME} and algorithm.oreal_token_rm=true")
     if cfg.loss_agg_mode != "token-mean":
         return (f"algorithm.loss_agg_mode={cfg.loss_agg_mode!r} with algorithm.loss={NAME}: OREAL takes its own token "
                 f"means, over the correct samples' tokens and over the wrong samples' tokens, so another mode would "
@@ -104,17 +102,16 @@ def check_oreal(cfg) -> str | None:
         return (f"algorithm.ppo_epochs={cfg.ppo_epochs} with algorithm.loss={NAME}: its ratio on the wrong samples is "
                 f"unclipped and its behaviour cloning unbounded, made for one pass over each batch (as the authors "
                 f"train); leave algorithm.ppo_epochs at 1")
+    if not cfg.oreal_pos_mult_adv and cfg.dynamic_sampling:
+        # Plain BC gives an all-correct group's samples weight 1/T+, but dynamic sampling (either filter: such a
+        # group's rewards are all equal, its std 0) removes the group before the loss sees it.
+        return ("algorithm.oreal_pos_mult_adv=false with algorithm.dynamic_sampling=true: plain behaviour cloning "
+                "clones every correct sample, those of all-correct groups included, but dynamic sampling drops those "
+                "groups before the loss, so they would never be cloned; set algorithm.dynamic_sampling=false, or keep "
+                "algorithm.oreal_pos_mult_adv=true (then an all-correct group has A = 0 and dropping it changes nothing)")
     if cfg.kl_coef > 0 and cfg.kl_in == "reward":
         return (f"algorithm.kl_in=reward with algorithm.loss={NAME}: the loss reads each sample's outcome, never the "
                 f"per-token shaped rewards, so the KL would do nothing; use algorithm.kl_in=loss (as the recipe sets)")
-    # The options that only reshape advantages, which OREAL never reads (its A comes from the outcomes).
-    from anabranch.algorithms.reasonmaxxer import _ADVANTAGE_OPTIONS
-
-    for key, on in _ADVANTAGE_OPTIONS:
-        if on(cfg):
-            return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: OREAL never reads the "
-                    f"advantages (it reshapes each sample's outcome itself), so this option would do nothing; leave "
-                    f"algorithm.{key} at its default")
     return None
 
 
@@ -189,6 +186,11 @@ def oreal_modules(cfg) -> dict:
     return {TOKEN_RM: make_token_rm} if cfg.oreal_token_rm else {}
 
 
+# The head's scores w of one micro-batch, kept on its LossContext by the objective for the aux loss (the head
+# runs once per micro-batch, not twice).
+SCORES_KEY = "oreal_token_scores"
+
+
 def _extras(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     sign, coef = ctx.extras.get("oreal_sign"), ctx.extras.get("oreal_coef")
     if sign is None or coef is None:
@@ -203,7 +205,10 @@ def token_rm_loss(ctx, response_mask):
     if not ctx.cfg.oreal_token_rm:
         return torch.zeros((), device=response_mask.device), {}
     m = response_mask.float()
-    w = token_scores(ctx.modules, ctx.hidden, m.shape[1]).float()
+    w = ctx.extras.pop(SCORES_KEY, None)  # the objective's forward of the head on this micro-batch, if it ran
+    if w is None:
+        w = token_scores(ctx.modules, ctx.hidden, m.shape[1])
+    w = w.float()
     seq_logit = (w * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     label, weight = ctx.extras["oreal_rm_label"].float(), ctx.extras["oreal_rm_weight"].float()
     bce = F.binary_cross_entropy_with_logits(seq_logit, label, reduction="none")
@@ -221,7 +226,9 @@ def oreal_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     sign, coef = _extras(ctx)
     m = response_mask.to(log_prob.dtype)
     if ctx.cfg.oreal_token_rm:
-        w_pos, w_neg = token_weights(token_scores(ctx.modules, ctx.hidden, m.shape[1]), m)
+        w = token_scores(ctx.modules, ctx.hidden, m.shape[1])
+        ctx.extras[SCORES_KEY] = w  # with its graph: token_rm_loss (the aux loss, same ctx) trains the head on it
+        w_pos, w_neg = token_weights(w, m)
         w_pos, w_neg = w_pos.to(log_prob.dtype), w_neg.to(log_prob.dtype)
     else:
         w_pos = w_neg = torch.ones_like(m)

@@ -85,18 +85,13 @@ def keep_rows(correct: list[float], scores: list[float], group_index: list[int],
 def prof_filter(batch, sources, m: int):
     """``batch`` (a ScoredBatch of one generation round) cut to PROF's m rows per group, with metrics:
     the right fraction before and after, and the kept right/wrong rows' mean v."""
-    from anabranch.trainer.collect import ScoredBatch
-
     if KEY not in batch.per_source:
         raise RuntimeError("algorithm.prof_keep is set but the batch has no PRM step scores (per_source"
                            f"[{KEY!r}]): the prm reward must score every training round")
     correct = batch_correct(batch, sources)
     scores = batch.per_source[KEY]
     keep = keep_rows(correct, scores, batch.rollout.group_index.tolist(), m)
-    rollout = batch.rollout.take(keep)  # every per-row field; group numbers and prompts unchanged
-    out = ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
-                      {k: [v[i] for i in keep] for k, v in batch.per_source.items()}, batch.t_generate,
-                      metrics=dict(batch.metrics))
+    out = batch.take(keep)  # every per-row field; group numbers, prompts, t_generate and metrics unchanged
     kept_right = [scores[i] for i in keep if correct[i] >= 1.0]
     kept_wrong = [scores[i] for i in keep if correct[i] < 1.0]
     out.metrics.update({

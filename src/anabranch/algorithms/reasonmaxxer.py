@@ -57,14 +57,6 @@ from anabranch.algorithms.global_top_fraction import global_top_fraction_mask
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 
 NAME = "reasonmaxxer"
-# Options that reshape advantages (or route rows by them): ReasonMaxxer reads rewards, never advantages.
-_ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha", lambda c: c.entropy_adv_alpha > 0),
-                      ("entropy_top_rho", lambda c: c.entropy_top_rho < 1), ("ucas", lambda c: bool(c.ucas)),
-                      ("progrpo_alpha", lambda c: c.progrpo_alpha > 0), ("lp_reg_coef", lambda c: c.lp_reg_coef > 0),
-                      ("ppl_shaping_coef", lambda c: c.ppl_shaping_coef > 0),
-                      ("position_shaping_coef", lambda c: c.position_shaping_coef > 0),
-                      ("er_shaping_coef", lambda c: c.er_shaping_coef > 0), ("srpo_coef", lambda c: c.srpo_coef > 0),
-                      ("dsdr_local_coef", lambda c: c.dsdr_local_coef > 0))
 # Keys whose only readers are the advantage estimators (grpo.py, ngrpo.py: norm_adv_by_std, adv_epsilon,
 # ngrpo_max_reward; advantages.py: gamma, psr/nsr weights, positive_threshold; ppo_value.py: lam, vf_*) or other
 # objectives (grpo.py's ppo_clip and its relatives: clip_ratio_*; ace.py: ace_alpha; cov_control.py: cov_*).
@@ -77,8 +69,8 @@ _INERT_KEYS = ("norm_adv_by_std", "adv_epsilon", "ngrpo_max_reward", "gamma", "l
 
 def check_reasonmaxxer(cfg) -> str | None:
     """The keys' ranges, and what cannot act with loss=reasonmaxxer. An error message or None. The keys set
-    without loss=reasonmaxxer are refused here with config_loading.py's _GATED message (which refuses them at
-    load), so that a Config built in code and passed to train() is refused too."""
+    without loss=reasonmaxxer are refused by config_checks._GATED, the options that reshape advantages by
+    resolve.check_ranges (registries.ADVANTAGE_OPTIONS, for every loss that ignores advantages)."""
     frac, thr, lam = cfg.reasonmaxxer_top_frac, cfg.reasonmaxxer_entropy_threshold, cfg.reasonmaxxer_neg_weight
     if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
         return (f"algorithm.reasonmaxxer_top_frac must be in (0, 1], the share of the batch's response tokens with the "
@@ -90,12 +82,6 @@ def check_reasonmaxxer(cfg) -> str | None:
         return f"algorithm.reasonmaxxer_neg_weight must be a finite number >= 0 (got {lam!r})"
     defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.default is not dataclasses.MISSING}
     if cfg.loss != NAME:
-        from anabranch.config_loading import inactive_key_error
-
-        for key in ("reasonmaxxer_top_frac", "reasonmaxxer_entropy_threshold", "reasonmaxxer_neg_weight"):
-            if getattr(cfg, key) != defaults[key]:
-                return inactive_key_error(f"algorithm.{key}", getattr(cfg, key),
-                                          f"algorithm.loss={NAME} (algorithm.name={NAME})")
         return None
     if thr is not None and frac != defaults["reasonmaxxer_top_frac"]:
         return ("algorithm.reasonmaxxer_entropy_threshold and algorithm.reasonmaxxer_top_frac both pick the gated "
@@ -116,11 +102,6 @@ def check_reasonmaxxer(cfg) -> str | None:
     if cfg.kl_coef > 0 and cfg.kl_in == "reward":
         return (f"algorithm.kl_in=reward with algorithm.loss={NAME}: the loss never reads rewards shaped per token "
                 f"(its labels are the sequence rewards), so the KL would do nothing; use algorithm.kl_in=loss")
-    for key, on in _ADVANTAGE_OPTIONS:
-        if on(cfg):
-            return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: ReasonMaxxer never reads the "
-                    f"advantages (its labels are each sample's reward against its group's mean), so this option "
-                    f"would do nothing; leave algorithm.{key} at its default")
     for key in _INERT_KEYS:
         # RL-PLUS's demonstration advantage (trainer/rl_plus_step.py) does read GRPO's normalization.
         if cfg.rl_plus.enabled and key in ("norm_adv_by_std", "adv_epsilon"):

@@ -24,7 +24,12 @@ Here K = 2 objectives:
   ``rl_loss_scale``). Its tracked loss is the step's error rate 1 − accuracy (the fraction of rollouts
   without full credit on the reward that says right/wrong): a policy-gradient surrogate hovers around 0
   with either sign, so its ratios say nothing, while the paper tracks its RL objectives by their
-  rewards (its Figure 4: format and accuracy rewards); 1 − reward turns that reward into a loss.
+  rewards (its Figure 4: format and accuracy rewards); 1 − reward turns that reward into a loss. It is
+  measured on the rollouts as generated (before any rewriter puts hinted or teacher rows in), over
+  every rank's rows; filters on the current policy's right/wrong are refused (:func:`check_rl_signal`).
+  Until 2W steps exist λ_rl = 1, so the RL loss is scaled by 1/K = ½ from step 1: turning RECAP on
+  halves the RL gradient against the same run without it (as the paper's L = (1/K) Σ λ_k L_k does),
+  which matters for the learning rate and ``trainer.grad_clip``.
 * ``replay``: the token-mean negative log-likelihood of general-domain demonstrations (prompt +
   reference text; the paper's ``ntp`` objective on its OCR replay data) under the policy, scaled by
   λ_replay / K; its tracked loss is that NLL as measured during the update.
@@ -94,9 +99,10 @@ class RecapWeights:
             if math.isfinite(v):
                 h.append(v)
 
-    def scale(self, objective: str) -> float:
-        """λ_k / K: the factor on objective k's loss in L = (1/K) Σ λ_k L_k."""
-        return self.weights()[objective] / len(self.history)
+    def scale(self, objective: str, weights: dict[str, float] | None = None) -> float:
+        """λ_k / K: the factor on objective k's loss in L = (1/K) Σ λ_k L_k; ``weights``: the step's λ when
+        already computed (:meth:`weights`), so every objective of a step is scaled by the same λ."""
+        return (self.weights() if weights is None else weights)[objective] / len(self.history)
 
     def state_dict(self) -> dict:
         return {"window": self.window, "history": {k: list(h) for k, h in self.history.items()}}
@@ -108,10 +114,7 @@ class RecapWeights:
 
 
 def check_recap(cfg) -> str | None:
-    """The first problem with ``algorithm.recap`` (a RECAPConfig), or None; knobs set while it is off
-    are refused too (they would do nothing)."""
-    from anabranch.config_algorithm_options import RECAPConfig
-
+    """The first problem with ``algorithm.recap`` (a RECAPConfig), or None."""
     num = (int, float)
     checks = [
         (isinstance(cfg.enabled, bool), "enabled", "must be true or false"),
@@ -132,13 +135,7 @@ def check_recap(cfg) -> str | None:
     for ok, key, why in checks:
         if not ok:
             return f"algorithm.recap.{key} {why} (got {getattr(cfg, key)!r})"
-    if not cfg.enabled:
-        default = RECAPConfig()
-        for key in ("replay_task", "replay_path", "replay_rows_per_step", "window", "temperature",
-                    "demonstration_template", "max_replay_tokens"):
-            if getattr(cfg, key) != getattr(default, key):
-                return (f"config key 'algorithm.recap.{key}' has no effect unless algorithm.recap.enabled=true "
-                        f"(got {getattr(cfg, key)!r}); set algorithm.recap.enabled=true or leave it at its default")
+    if not cfg.enabled:  # its knobs set while it is off: refused by config_checks._GATED
         return None
     if not cfg.replay_task:
         return ("algorithm.recap.enabled needs the general-domain data to replay: set algorithm.recap.replay_task "
@@ -153,10 +150,38 @@ def check_recap(cfg) -> str | None:
 
 
 def check_run(cfg) -> None:
-    """At config load (config_loading.validate; ``cfg`` loaded, its recipe applied): :func:`check_recap`.
+    """At config load and train() start (config_checks; ``cfg`` with its recipe applied): :func:`check_recap`
+    and :func:`check_rl_signal`.
     What needs the loaded data or the launcher (replay rows without a target, FSDP/DeepSpeed) is refused
     by trainer/recap_step.py's ``Recap.create``, before the first step."""
     from anabranch.config import ConfigError
 
     if error := check_recap(cfg.algorithm.recap):
         raise ConfigError(error)
+    if error := check_rl_signal(cfg):
+        raise ConfigError(error)
+
+
+def check_rl_signal(cfg) -> str | None:
+    """The first setting that would bias the RL tracked loss (1 − accuracy of the step's rollouts), or
+    None. Filters keyed on the current policy's right/wrong keep rows whose accuracy sits near a fixed
+    level whatever the progress (dynamic sampling: mixed groups only; PROF: each group balanced towards
+    m/2 right; SELF's greedy_wrong: only prompts the policy gets wrong), so c = μ/μ̃ would read "saturated"
+    throughout. The pre-filter accuracy is not exposed by the collection, hence refused, not corrected."""
+    if not cfg.algorithm.recap.enabled:
+        return None
+    off = "algorithm.recap.enabled=false"
+    if cfg.algorithm.dynamic_sampling:
+        return ("algorithm.recap.enabled cannot be combined with algorithm.dynamic_sampling=true: RECAP tracks the "
+                "RL objective by the step's error rate, and dynamic sampling keeps only groups with both right and "
+                "wrong samples, whose error stays mid-range whatever the progress; set algorithm.dynamic_sampling="
+                f"false or {off}")
+    if cfg.algorithm.prof_keep:
+        return ("algorithm.recap.enabled cannot be combined with algorithm.prof_keep (PROF): RECAP tracks the RL "
+                "objective by the step's error rate, and PROF keeps each group's rows balanced between right and "
+                f"wrong, which pins that rate; set algorithm.prof_keep=0 or {off}")
+    if cfg.task.curation == "greedy_wrong":
+        return ("algorithm.recap.enabled cannot be combined with task.curation=greedy_wrong: RECAP tracks the RL "
+                "objective by the step's error rate, and that curation trains only on prompts the current policy "
+                f"answers wrong, which keeps the rate high whatever the progress; set task.curation=none or {off}")
+    return None

@@ -13,7 +13,8 @@
   per-row tensors it returns reach the objective as ``ctx.extras``, sliced per micro-batch (batch-wide
   quantities, e.g. ReasonMaxxer's gate and labels, that must not depend on the micro-batch split).
   ``ignores_advantages=True``: the objective never reads its ``advantages`` argument (its labels come from
-  the rewards: ReasonMaxxer, PACS), so options that only change the advantages (SPAE, TRLOO) are refused.
+  the rewards: ReasonMaxxer, PACS, OREAL), so options that only change the advantages (SPAE, TRLOO,
+  :data:`ADVANTAGE_OPTIONS`) are refused with it (resolve.check_ranges).
   Registered with ``group=True`` when it compares the samples of a prompt (needs rollout.n >= 2),
   ``needs=(...)``, ``modules={...}`` (extra heads) and ``aux_loss=fn`` (e.g. a critic loss).
 - ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults
@@ -25,3 +26,13 @@ from anabranch.registry import Registry
 ADVANTAGES: Registry = Registry("advantage estimator")
 OBJECTIVES: Registry = Registry("objective")
 RECIPES: Registry = Registry("algorithm recipe")
+
+# Options that only reshape the advantages (or route rows by them): refused with an objective registered
+# ``ignores_advantages=True``, where they would do nothing. (key, whether it is set: AlgorithmConfig -> bool).
+ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha", lambda c: c.entropy_adv_alpha > 0),
+                     ("entropy_top_rho", lambda c: c.entropy_top_rho < 1), ("ucas", lambda c: bool(c.ucas)),
+                     ("progrpo_alpha", lambda c: c.progrpo_alpha > 0), ("lp_reg_coef", lambda c: c.lp_reg_coef > 0),
+                     ("ppl_shaping_coef", lambda c: c.ppl_shaping_coef > 0),
+                     ("position_shaping_coef", lambda c: c.position_shaping_coef > 0),
+                     ("er_shaping_coef", lambda c: c.er_shaping_coef > 0), ("srpo_coef", lambda c: c.srpo_coef > 0),
+                     ("dsdr_local_coef", lambda c: c.dsdr_local_coef > 0))

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from anabranch.algorithms.aggregation import MODES
-from anabranch.algorithms.alp import alp_modules, alp_needs
+from anabranch.algorithms.alp import alp_modules, alp_needs, check_alp
 from anabranch.algorithms.er_shaping import build_er_shaping, check_er_shaping
 from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
-from anabranch.algorithms.registries import ADVANTAGES, OBJECTIVES, RECIPES
+from anabranch.algorithms.registries import ADVANTAGE_OPTIONS, ADVANTAGES, OBJECTIVES, RECIPES
 from anabranch.algorithms.siren import build_siren, check_siren
 from anabranch.algorithms.epo import build_epo, check_epo
 from anabranch.algorithms.trloo import trloo_inputs
@@ -87,20 +87,8 @@ def _check_name(cfg: AlgorithmConfig) -> AlgorithmConfig:
 
 def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
     # A config from load_config has its recipe applied already (every recipe sets both).
-    cfg = apply_recipe(cfg) if not (cfg.advantage and cfg.loss) else _check_name(cfg)
-    for key, registry in (("advantage", ADVANTAGES), ("loss", OBJECTIVES)):
-        name = getattr(cfg, key)
-        try:
-            registry.get(name)
-        except KeyError as exc:
-            raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
-    if cfg.loss_agg_mode not in MODES:
-        raise ConfigError(f"algorithm.loss_agg_mode {cfg.loss_agg_mode!r} is not one of {MODES}")
-    if cfg.kl_estimator not in ESTIMATORS:
-        raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
-    check_ranges(cfg)
-    if OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
-        _check_reward_target(cfg)
+    cfg = apply_recipe(cfg) if not (cfg.advantage and cfg.loss) else cfg
+    check_algorithm(cfg)
     needs = set(_meta(OBJECTIVES, cfg.loss, "needs", cfg)) | set(_meta(ADVANTAGES, cfg.advantage, "needs", cfg))
     if cfg.kl_coef > 0:
         needs.add("ref_log_prob")
@@ -145,6 +133,26 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> Algorithm:
                      and cfg.epo_coef == 0
                      # SRPO's distillation (algorithms/srpo.py) trains the failed rows, whose advantage it zeroes.
                      and cfg.srpo_coef == 0)
+
+
+def check_algorithm(cfg: AlgorithmConfig) -> None:
+    """Every check of the algorithm section alone (its recipe applied): the registered names, then the
+    ranges and refused combinations. Run at config load and at train() start (config_checks.check_whole_config)
+    and again by resolve_algorithm, for an AlgorithmConfig resolved on its own."""
+    _check_name(cfg)
+    for key, registry in (("advantage", ADVANTAGES), ("loss", OBJECTIVES)):
+        name = getattr(cfg, key)
+        try:
+            registry.get(name)
+        except KeyError as exc:
+            raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
+    if cfg.loss_agg_mode not in MODES:
+        raise ConfigError(f"algorithm.loss_agg_mode {cfg.loss_agg_mode!r} is not one of {MODES}")
+    if cfg.kl_estimator not in ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator {cfg.kl_estimator!r} is not one of {ESTIMATORS}")
+    check_ranges(cfg)
+    if OBJECTIVES.meta(cfg.loss).get("advantage_is_reward"):
+        _check_reward_target(cfg)
 
 
 def check_ranges(cfg: AlgorithmConfig) -> None:
@@ -223,7 +231,7 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
         raise ConfigError(error)
 
     # Weighted GRPO's λ_neg (algorithms/weighted_grpo.py); its need of task.pairing is checked with the
-    # whole config (PromptPairing.create), since this function sees only the algorithm section.
+    # whole config (config_checks), since this function sees only the algorithm section.
     from anabranch.algorithms.weighted_grpo import check_weighted_grpo
 
     error = check_weighted_grpo(cfg)
@@ -273,17 +281,30 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
 
-    # OREAL's keys (algorithms/oreal.py): ranges, refused without loss=oreal, and what cannot act with it.
+    # OREAL's keys (algorithms/oreal.py): ranges, and what cannot act with it.
     from anabranch.algorithms.oreal import check_oreal
 
     error = check_oreal(cfg)
     if error:
         raise ConfigError(error)
+    # The options that only reshape advantages do nothing with an objective that never reads them (ReasonMaxxer,
+    # PACS, OREAL: labels from the rewards); PACS's own check (above) names its label first.
+    if OBJECTIVES.meta(cfg.loss).get("ignores_advantages"):
+        for key, on in ADVANTAGE_OPTIONS:
+            if on(cfg):
+                raise ConfigError(f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={cfg.loss}: this loss "
+                                  "never reads the advantages (it computes its labels from the rewards itself), so "
+                                  f"this option would do nothing; leave algorithm.{key} at its default")
 
-    # STEER's token weighting (algorithms/steer.py): its keys' ranges, and refused with another loss.
-    from anabranch.algorithms.steer import raise_if_bad as check_steer
+    # ALP's noise scales (algorithms/alp.py): its keys' ranges and a loss with a ratio to perturb.
+    check_alp(cfg)
 
-    check_steer(cfg)
+    # STEER's token weighting (algorithms/steer.py): its keys' ranges and the other mapping's knob.
+    from anabranch.algorithms.steer import check_steer
+
+    error = check_steer(cfg)
+    if error:
+        raise ConfigError(error)
 
     # ER/ERV/ERA shaping's keys (algorithms/er_shaping.py).
     error = check_er_shaping(cfg)

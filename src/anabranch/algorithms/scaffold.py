@@ -50,6 +50,11 @@ import re
 _WORD = re.compile(r"\S+")
 
 
+def solution_words(row: dict) -> int:
+    """W: the number of whitespace-separated words of the row's solution (``row["demonstration"]``; 0 without)."""
+    return len(_WORD.findall(row.get("demonstration") or ""))
+
+
 def solution_prefix(solution: str, ratio: float) -> str:
     """The first ⌈ratio·W⌉ whitespace-separated words of ``solution`` (W words, at least one word), with
     the solution's own spacing between them; "" for an empty solution."""
@@ -80,10 +85,9 @@ def _ratios_ok(ratios) -> bool:
 
 def check_scaffold(cfg) -> str | None:
     """The first problem with ``cfg.scaffold`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
-    algorithm config, or None. Its knobs set while it is off are refused too (they would do nothing)."""
-    from anabranch.config_algorithm_options import ScaffoldConfig
-
-    s, default = cfg.scaffold, ScaffoldConfig()
+    algorithm config, or None (resolve.check_ranges). Its knobs set while it is off are refused by
+    config_checks._GATED."""
+    s = cfg.scaffold
     checks = [
         (isinstance(s.enabled, bool), "enabled", "must be true or false"),
         (_ratios_ok(s.ratios), "ratios",
@@ -95,15 +99,10 @@ def check_scaffold(cfg) -> str | None:
         if not ok:
             return f"algorithm.scaffold.{key} {why} (got {getattr(s, key)!r})"
     if not s.enabled:
-        for key in ("ratios", "hint_template", "schedule", "irt_target", "irt_tolerance", "irt_rounds",
-                    "irt_initial_ratio"):
-            if getattr(s, key) != getattr(default, key):
-                return (f"config key 'algorithm.scaffold.{key}' has no effect unless algorithm.scaffold.enabled=true "
-                        f"(got {getattr(s, key)!r}); set algorithm.scaffold.enabled=true or leave it at its default")
         return None
     from anabranch.algorithms.hint_irt import check_irt  # SEELE's IRT hint length (schedule=irt)
 
-    error = check_irt(s, default)
+    error = check_irt(s)
     if error:
         return error
     if cfg.guide.enabled:
@@ -127,7 +126,7 @@ def check_scaffold(cfg) -> str | None:
 
 
 def check_run(cfg) -> None:
-    """Combinations of the whole config refused before any model loads (config_loading.validate): the
+    """Combinations of the whole config refused before any model loads (config_checks): the
     backend, tools and pairing refusals it shares with Guide (algorithms/guide.py)."""
     from anabranch.algorithms.guide import refuse_hint_resampling
 

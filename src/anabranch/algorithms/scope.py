@@ -44,12 +44,11 @@ import math
 
 import torch
 
-from anabranch.algorithms.off_policy_split import split_objective
+from anabranch.algorithms.off_policy_split import SCOPE_SHAPED, off_policy_rows_problem, shaped_objective
 
 # Token-level ratio losses: the rectified row's prefix takes the run's objective token by token, its
 # continuation the shaped term; a sequence-level ratio (GSPO) would mix the two inside one weight.
 SCOPE_LOSSES = ("ppo_clip", "cispo")
-KNOBS = ("prm_path", "rectifier", "step_threshold", "step_delimiter", "max_per_group", "shaping_gamma")
 
 
 def first_wrong_step(scores: list[float], threshold: float) -> int | None:
@@ -75,30 +74,15 @@ def scope_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off
     """The micro-batch's loss: the run's ``objective`` on the on-policy tokens plus agg(−f(π_θ)·Â) on the
     rectifier's tokens (``off_tokens``: [b, R] bool), a salvaged row weighing one row under every loss_agg_mode
     (algorithms/off_policy_split.py, shared with AMPO); metrics with ``scope/shaped_prob`` (mean f over the
-    rectifier's tokens of the micro-batch, 0 without any)."""
-    loss, metrics, shaped = split_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off_tokens,
-                                            gamma, agg)
-    # The key on every micro-batch of every rank (DDP's metric all-reduce needs the same keys everywhere).
-    return loss, {**metrics, "scope/shaped_prob": shaped}
-
-
-def inactive_knob(s) -> str | None:
-    """The refusal of an ``algorithm.scope`` knob set while SCOPE is off (it would do nothing), or None."""
-    from anabranch.config_algorithm_options import ScopeConfig
-
-    if s.enabled:
-        return None
-    default = ScopeConfig()
-    for key in KNOBS:
-        if getattr(s, key) != getattr(default, key):
-            return (f"config key 'algorithm.scope.{key}' has no effect unless algorithm.scope.enabled=true "
-                    f"(got {getattr(s, key)!r}); set algorithm.scope.enabled=true or leave it at its default")
-    return None
+    rectifier's tokens of the micro-batch, 0 without any). trainer/step.py calls ``shaped_objective`` itself."""
+    return shaped_objective(objective, log_prob, old_log_prob, advantage, mask, ctx, off_tokens, gamma, agg,
+                            SCOPE_SHAPED)
 
 
 def check_scope(cfg) -> str | None:
     """The first problem with ``cfg.scope`` (``cfg``: an AlgorithmConfig), alone or with the rest of the
-    algorithm config, or None (config load and resolve_algorithm, for configs built in code)."""
+    algorithm config, or None (resolve.check_ranges). Its knobs set while it is off are refused by
+    config_checks._GATED."""
     s, num = cfg.scope, (int, float)
     checks = [
         (isinstance(s.enabled, bool), "enabled", "must be true or false"),
@@ -115,7 +99,7 @@ def check_scope(cfg) -> str | None:
         if not ok:
             return f"algorithm.scope.{key} {why} (got {getattr(s, key)!r})"
     if not s.enabled:
-        return inactive_knob(s)
+        return None
     if not s.prm_path or not s.rectifier:
         return ("algorithm.scope.enabled needs algorithm.scope.prm_path (a local PRM folder) and "
                 "algorithm.scope.rectifier (a local model folder sharing the policy's tokenizer)")
@@ -149,40 +133,26 @@ def check_scope(cfg) -> str | None:
 
 def run_problem(cfg) -> str | None:
     """The first whole-config combination SCOPE cannot take (``cfg``: the whole Config, SCOPE on), or None.
-    Checked at config load (:func:`check_run`) and again by trainer/scope_rollouts.py's Scope.create."""
-    s, r, why = cfg.algorithm.scope, cfg.rollout, None
+    Checked by :func:`check_run`, at config load and again first thing in train() (config_checks)."""
+    s, r = cfg.algorithm.scope, cfg.rollout
     if isinstance(s.max_per_group, int) and s.max_per_group >= r.n:
         return (f"algorithm.scope.max_per_group={s.max_per_group} must be less than rollout.n={r.n}: a group whose "
                 "every sample is rewritten correct has all advantages 0; lower it or raise rollout.n")
-    if r.backend != "hf":
-        why = (f"rollout.backend={r.backend!r}: its samples carry the engine's log-probs, the rectifier's tokens none, "
-               "and SCOPE is implemented and tested with the hf backend only; set rollout.backend=hf")
-    elif r.tools:
-        why = "rollout.tools: a response with tool outputs is not the policy's contiguous steps; leave rollout.tools empty"
-    elif r.retry_turns >= 2:
-        why = "rollout.retry_turns: a multi-attempt episode has no single step sequence to cut; set rollout.retry_turns=0"
-    elif r.extra_rollouts == "cure":
-        why = ("rollout.extra_rollouts=cure: CURE's branch rows hold an untrained prefix (loss_mask 0) that a rewrite "
-               "would inherit; set rollout.extra_rollouts=none")
-    elif r.temperature_schedule != "constant":
-        why = (f"rollout.temperature_schedule={r.temperature_schedule!r}: the rectifier's tokens have no sampler "
-               "log-probs at the scheduled temperature; set rollout.temperature_schedule=constant")
-    elif cfg.reward.prm_shaping != "none":
-        why = (f"reward.prm_shaping={cfg.reward.prm_shaping}: the PRM step rewards would be put on the rectifier's "
-               "tokens too; set reward.prm_shaping=none (SCOPE runs its own PRM, algorithm.scope.prm_path)")
-    elif cfg.task.pairing:
-        why = "task.pairing: prompt pairing trains fixed (q+, q−) groups of their own samples; set task.pairing=false"
-    elif cfg.task.curriculum != "none":
-        why = (f"task.curriculum={cfg.task.curriculum!r}: the curriculum reads each source's mean |advantage|, which "
-               "the rewrites change on exactly the prompts the policy fails; set task.curriculum=none")
-    if why is None:
-        return None
-    return f"algorithm.scope.enabled cannot be used with {why}, or set algorithm.scope.enabled=false"
+    own = (
+        (r.extra_rollouts == "cure", "rollout.extra_rollouts=cure: CURE's branch rows hold an untrained prefix "
+                                     "(loss_mask 0) that a rewrite would inherit; set rollout.extra_rollouts=none"),
+        (cfg.reward.prm_shaping != "none", f"reward.prm_shaping={cfg.reward.prm_shaping}: the PRM step rewards would "
+         "be put on the rectifier's tokens too; set reward.prm_shaping=none (SCOPE runs its own PRM, "
+         "algorithm.scope.prm_path)"),
+    )
+    return off_policy_rows_problem(cfg, "algorithm.scope.enabled", "the rectifier's tokens",
+                                   "a response with tool outputs is not the policy's contiguous steps",
+                                   "a multi-attempt episode has no single step sequence to cut", own)
 
 
 def check_run(cfg) -> None:
-    """At config load (config_loading.validate): the key checks and :func:`run_problem`, and that both model
-    folders exist (nothing is downloaded), before any model loads."""
+    """At config load and train() start (config_checks): :func:`run_problem`, and that both model folders exist
+    (nothing is downloaded), before any model loads (its keys: :func:`check_scope`, from resolve.check_ranges)."""
     import os
 
     from anabranch.config import ConfigError
@@ -190,7 +160,7 @@ def check_run(cfg) -> None:
     s = cfg.algorithm.scope
     if not s.enabled:
         return
-    if error := check_scope(cfg.algorithm) or run_problem(cfg):
+    if error := run_problem(cfg):
         raise ConfigError(error)
     for key in ("prm_path", "rectifier"):
         if not os.path.isdir(os.path.expanduser(str(getattr(s, key)))):

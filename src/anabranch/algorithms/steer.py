@@ -22,7 +22,10 @@ with advantages λ·Â: the clip decisions are unchanged and the gradient of a t
 Keys: ``steer_weight_min`` λ_min (0.8), ``steer_weight_max`` λ_max (1.0, only acts with the linear
 mapping), ``steer_mapping`` (exp), ``steer_omega_floor`` Ω_floor (0.02, only acts with exp). The
 recipe ``algorithm.name=steer`` sets the authors' run: GRPO advantage, token-mean, clip 0.2 / 0.28,
-dual-clip c = 10.
+dual-clip c = 10. Metrics: ``steer/weight_mean``, ``steer/omega_mean`` (token means) and
+``steer/weight_min_mb_mean``, ``steer/abs_omega_max_mb_mean``: the trainer averages metrics over micro-batches
+and ranks by token share, so these are the share-weighted means of each micro-batch's min λ / max |Ω|, not the
+batch's extremes.
 
 What is confirmed and what is assumed:
 - Confirmed from the authors' released code (github.com/zz-haooo/STEER, ``compute_token_weights`` and the
@@ -49,10 +52,9 @@ import torch
 from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.grpo import ppo_surrogate
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
-from anabranch.config import AlgorithmConfig, ConfigError
+from anabranch.config import AlgorithmConfig
 
 MAPPINGS = ("exp", "linear")
-_KEYS = ("steer_weight_min", "steer_weight_max", "steer_mapping", "steer_omega_floor")
 
 
 def entropy_change_estimate(log_prob: torch.Tensor, old_log_prob: torch.Tensor, entropy: torch.Tensor,
@@ -91,15 +93,9 @@ def steer_weights(omega: torch.Tensor, mask: torch.Tensor, weight_min: float, we
 
 
 def check_steer(cfg: AlgorithmConfig) -> str | None:
-    """The config error of STEER's keys, or None: their ranges, and each set where it does nothing (another loss,
-    or the other mapping's knob). Called at config load (config_loading) and at resolution (a Config built in code)."""
+    """The config error of STEER's keys, or None: their ranges, and each set with the other mapping, where it does
+    nothing (resolve.check_ranges). The keys set with another loss are refused by config_checks._GATED."""
     if cfg.loss != "steer":
-        from anabranch.config_loading import inactive_key_error
-
-        default = AlgorithmConfig()
-        for key in _KEYS:
-            if getattr(cfg, key) != getattr(default, key):
-                return inactive_key_error(f"algorithm.{key}", getattr(cfg, key), "algorithm.loss=steer (algorithm.name=steer)")
         return None
     lo, hi = cfg.steer_weight_min, cfg.steer_weight_max
     if cfg.steer_mapping not in MAPPINGS:
@@ -121,11 +117,6 @@ def check_steer(cfg: AlgorithmConfig) -> str | None:
     return None
 
 
-def raise_if_bad(cfg: AlgorithmConfig) -> None:
-    if (error := check_steer(cfg)) is not None:
-        raise ConfigError(error)
-
-
 @OBJECTIVES.register("steer", needs=())  # the update's forward always returns the entropies (ctx.entropy)
 def steer_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     cfg = ctx.cfg
@@ -139,11 +130,14 @@ def steer_loss(log_prob, old_log_prob, advantages, response_mask, ctx):
     with torch.no_grad():
         valid = response_mask.bool()
         w = weights[valid]
+        # The trainer averages each metric over the micro-batches (and ranks) by their token share, which gives the
+        # batch's token mean for a mean; a micro-batch's min / max becomes the share-weighted mean of those extremes
+        # (each micro-batch's own k is set by its own max, so that is the quantity STEER acts on), named _mb_mean.
         metrics = {"clip_frac": masked_mean(was_clipped.float(), response_mask).item(),
                    "approx_kl": masked_mean(-log_ratio, response_mask).item(),
                    "steer/weight_mean": w.mean().item() if w.numel() else 1.0,
-                   "steer/weight_min": w.min().item() if w.numel() else 1.0,
-                   "steer/abs_omega_max": omega.abs().max().item(),
+                   "steer/weight_min_mb_mean": w.min().item() if w.numel() else 1.0,
+                   "steer/abs_omega_max_mb_mean": omega.abs().max().item(),
                    # mean Ω over the tokens: > 0 says the step's estimated entropy change is a decrease
                    "steer/omega_mean": masked_mean(omega, response_mask).item()}
     return loss, metrics

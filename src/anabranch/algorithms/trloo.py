@@ -142,9 +142,7 @@ def check_trloo_config(cfg) -> None:
 
     if cfg.algorithm.advantage != NAME:
         return
-    error = check_trloo(cfg.algorithm)  # also run by resolve.check_ranges; here so that a bad config fails at load
-    if error:
-        raise ConfigError(error)
+    # check_trloo (the algorithm section's part) runs before this, in resolve.check_ranges (config_checks).
     if cfg.rollout.retry_turns < 2:
         raise ConfigError(f"algorithm.advantage=trloo needs multi-attempt episodes: set rollout.retry_turns >= 2 "
                           f"(got {cfg.rollout.retry_turns}); its per-turn rewards are the attempts' grades")

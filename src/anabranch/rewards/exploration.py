@@ -54,7 +54,7 @@ import math
 
 from anabranch.config import ConfigError
 from anabranch.rewards.guard import RewardOutput
-from anabranch.rewards.length import _lengths
+from anabranch.rewards.length import response_lengths
 from anabranch.rewards.registry import REWARDS
 
 NAME = "rlsp_exploration"
@@ -134,7 +134,7 @@ def rlsp_exploration(prompts, completions, response_length=None, train_step=None
                      max_length=1024, max_steps=16, decay_steps=0, **_):
     """s(t) · min(1, m(y) / M) per response (module docstring); metrics: the mean score e and the share s."""
     if measure == "length":
-        raw, cap = _lengths(completions, response_length), max_length
+        raw, cap = response_lengths(completions, response_length), max_length
     else:
         raw, cap = [float(step_count(c)) for c in completions], max_steps
     share = schedule(int(train_step[0]) if train_step else None, decay_steps)

@@ -64,7 +64,7 @@ from collections import defaultdict
 
 from anabranch.config import ConfigError
 from anabranch.rewards.guard import RewardOutput
-from anabranch.rewards.length import _lengths
+from anabranch.rewards.length import response_lengths
 from anabranch.rewards.registry import REWARDS
 
 LEVELS = ("easy", "medium", "hard")
@@ -223,7 +223,7 @@ def laser_reward(prompts, completions, response_length=None, reward="math_verify
                  reward_params=None, **fields):
     """LASER: v + α for a correct response within ``target`` (module docstring)."""
     values = _verify(reward, prompts, completions, {**fields, "response_length": response_length}, reward_params)
-    lengths = _lengths(completions, response_length)
+    lengths = response_lengths(completions, response_length)
     bonus = [v >= 1.0 and n <= target for v, n in zip(values, lengths)]
     return RewardOutput([v + alpha * b for v, b in zip(values, bonus)],
                         {"bonus_frac": sum(bonus) / max(len(bonus), 1)})
@@ -241,7 +241,7 @@ def laser_d_reward(prompts, completions, group_index=None, response_length=None,
     values = _verify(reward, prompts, completions, {**fields, "group_index": group_index,
                                                     "response_length": response_length, "train_step": train_step},
                      reward_params)
-    lengths = _lengths(completions, response_length)
+    lengths = response_lengths(completions, response_length)
     correct = [v >= 1.0 for v in values]
     groups: dict[int, list[int]] = defaultdict(list)
     for i, g in enumerate(group_index):

@@ -22,7 +22,9 @@ from __future__ import annotations
 from anabranch.rewards.registry import REWARDS
 
 
-def _lengths(completions, response_length):
+def response_lengths(completions, response_length) -> list[float]:
+    """Each completion's length n: its token count from the trainer's ``response_length`` field when given
+    (training rollouts), else its character count (shared by the length-based rewards)."""
     if response_length is not None:
         return [float(n) for n in response_length]
     return [float(len(c)) for c in completions]
@@ -42,11 +44,11 @@ def overlong_penalty(prompts, completions, response_length=None, max_length: int
                      cache_length: int = 8, **_):
     if not 0 < cache_length <= max_length:
         raise ValueError(f"overlong_penalty needs 0 < cache_length <= max_length (got {cache_length}, {max_length})")
-    return [soft_overlong(n, max_length, cache_length) for n in _lengths(completions, response_length)]
+    return [soft_overlong(n, max_length, cache_length) for n in response_lengths(completions, response_length)]
 
 
 @REWARDS.register("target_length")
 def target_length(prompts, completions, response_length=None, target: int = 16, **_):
     if target <= 0:
         raise ValueError(f"target_length needs target > 0 (got {target})")
-    return [-min(1.0, abs(n - target) / target) for n in _lengths(completions, response_length)]
+    return [-min(1.0, abs(n - target) / target) for n in response_lengths(completions, response_length)]

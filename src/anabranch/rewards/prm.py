@@ -12,7 +12,8 @@ field (else the prompt text), then "\\n", then the steps, each as ``step text + 
 good and bad must each be exactly one token of the PRM's tokenizer. An input longer than the PRM's
 ``max_position_embeddings`` is cut (:func:`prm_inputs`): the question's start first, then the last steps.
 
-The scores are computed by the trainer (``trainer/collect.py`` calls :func:`prm_fields`), batched,
+The scores are computed by the trainer (``trainer/collect.py`` calls :func:`prm_fields`; SCOPE calls
+:func:`score_response_steps` on its failed rows), batched,
 without gradients, ``batch_size`` rows at a time; each step's end is also located as a token position
 of the policy's response, so that ``algorithms/prm_shaping.py`` (``reward.prm_shaping``) can put step
 rewards there (``Rollout.process_rewards``). The registered ``prm`` reward itself adds 0 to the sequence
@@ -109,7 +110,9 @@ def prm_inputs(tok, question: str, steps: list[str], tag_id: int,
 
 
 @lru_cache(maxsize=2)
-def _load(model_path: str, device: str):
+def load_prm(model_path: str, device: str):
+    """(model, tokenizer) of the PRM folder ``model_path``, frozen in eval mode on ``device``; cached, so the
+    ``prm`` reward and SCOPE's PRM (trainer/scope_rollouts.py) on one path share one copy."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,6 +147,47 @@ def score_steps(model, tok, questions: list[str], steps: list[list[str]], step_t
     return out
 
 
+def response_steps(decode, ids: list[int], delimiter: str) -> tuple[list[str], list[int]]:
+    """(the step texts, each step's last response column) of one response's token ids, its steps split in
+    ``decode(ids)`` (the policy's own decode, so that the columns match its tokens)."""
+    text = decode(ids)
+    spans = split_steps(text, delimiter)
+    return [text[a:b] for a, b in spans], (step_end_tokens(decode, ids, spans, text) if ids else [])
+
+
+def step_scorer(model, prm_tok, params: dict | None = None):
+    """score(questions, steps) -> PRM_k per step (:func:`score_steps`) with the ``prm`` reward's ``params``'
+    tags and batch size, DEFAULTS for those missing."""
+    p = {**DEFAULTS, **(params or {})}
+    return lambda questions, steps: score_steps(model, prm_tok, questions, steps, p["step_tag"], p["good_token"],
+                                                p["bad_token"], int(p["batch_size"]))
+
+
+def score_response_steps(score, decode, rollout, rows, picks: list[int], delimiter: str
+                         ) -> tuple[list[list[float]], list[list[int]]]:
+    """(PRM_k per step, each scored step's end column) of the responses of rollout rows ``picks`` (single-turn:
+    the trained tokens are columns 0..L−1), split at ``delimiter`` in ``decode`` of their tokens. ``score``:
+    :func:`step_scorer`'s callable, called once, on the responses with a step; the PRM reads each row's
+    ``question`` field (``rows``: the batch's dataset rows, aligned with the rollout), else the prompt text. A
+    response without a step gets no score; steps past the PRM's position limit get none either, and their end
+    columns are dropped (no step reward, no located error)."""
+    groups, trained = rollout.group_index.tolist(), rollout.trained_mask.bool()
+    steps, ends, questions = [], [], []
+    for i in picks:
+        texts, cols = response_steps(decode, rollout.response_ids[i][trained[i]].tolist(), delimiter)
+        steps.append(texts)
+        ends.append(cols)
+        q = rows[i].get("question") if isinstance(rows[i], dict) else None
+        questions.append(str(q) if q is not None else rollout.prompts[groups[i]])
+    todo = [k for k in range(len(steps)) if steps[k]]
+    scored = score([questions[k] for k in todo], [steps[k] for k in todo]) if todo else []
+    scores: list[list[float]] = [[] for _ in steps]
+    for k, s in zip(todo, scored):
+        scores[k] = s
+        ends[k] = ends[k][:len(s)]
+    return scores, ends
+
+
 def prm_fields(sources, tokenizer, rollout, rows) -> dict[str, list]:
     """``prm_step_scores`` (PRM_k per step) and ``prm_step_ends`` (the response column where each step
     ends) per completion, when a ``prm`` reward is configured; steps are split in the policy's own decode
@@ -152,25 +196,10 @@ def prm_fields(sources, tokenizer, rollout, rows) -> dict[str, list]:
     if src is None:
         return {}
     p = {**DEFAULTS, **src.params}
-    model, prm_tok = _load(p["model_path"], p["device"])
+    score = step_scorer(*load_prm(p["model_path"], p["device"]), p)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    groups = rollout.group_index.tolist()
-    questions, steps, ends = [], [], []
-    for i, (resp, m) in enumerate(zip(rollout.response_ids, rollout.trained_mask)):
-        ids = resp[m.bool()].tolist()  # single-turn: the masked tokens are columns 0..L−1
-        text = decode(ids)
-        spans = split_steps(text, p["step_delimiter"])
-        steps.append([text[a:b] for a, b in spans])
-        ends.append(step_end_tokens(decode, ids, spans, text) if ids else [])
-        q = rows[i].get("question") if isinstance(rows[i], dict) else None
-        questions.append(str(q) if q is not None else rollout.prompts[groups[i]])
-    todo = [i for i in range(len(steps)) if steps[i]]
-    scored = score_steps(model, prm_tok, [questions[i] for i in todo], [steps[i] for i in todo], p["step_tag"],
-                         p["good_token"], p["bad_token"], int(p["batch_size"])) if todo else []
-    scores: list[list[float]] = [[] for _ in steps]
-    for i, s in zip(todo, scored):
-        scores[i] = s
-        ends[i] = ends[i][:len(s)]  # steps past the PRM's position limit got no score: no step reward either
+    scores, ends = score_response_steps(score, decode, rollout, rows, list(range(len(rollout.response_ids))),
+                                        p["step_delimiter"])
     return {"prm_step_scores": scores, "prm_step_ends": ends}
 
 

@@ -116,6 +116,16 @@ class Rollout:
 NOT_PER_ROW = frozenset({"prompts", "metrics"})
 
 
+def first_rows(group_index: torch.Tensor) -> dict[int, int]:
+    """{group: index of its first row}, in ascending group order (``group_index.unique()``'s): where the
+    methods that need one thing per prompt (its dataset row, its prompt tokens) read it, since every row of
+    a group answers the same prompt. One pass over the rows, not one comparison per group."""
+    first: dict[int, int] = {}
+    for i, g in enumerate(group_index.tolist()):
+        first.setdefault(int(g), i)
+    return dict(sorted(first.items()))
+
+
 def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask), each [len(sequences), longest], the sequences padded on the left with
     ``pad``: every row's next token is at the same column (prompts, and continuations of responses)."""

@@ -25,12 +25,12 @@ import dataclasses
 
 import torch
 
-from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, run_problem, select_top
+from anabranch.algorithms.ampo import candidate_texts, mean_log_prob, select_top
 from anabranch.algorithms.guide import all_fail_groups
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
-from anabranch.rollout.base import Rollout, pad_id, right_padded
+from anabranch.rollout.base import Rollout, first_rows, pad_id, right_padded
 from anabranch.trainer.collect import ScoredBatch, concat_batches, score_rollout, select_groups
 
 
@@ -94,10 +94,9 @@ def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
 
 
 def take_rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
-    """The rows ``keep`` of a one-group batch (its group stays 0)."""
-    rollout = batch.rollout.take(keep)  # every per-row field, whatever the Rollout holds
-    return ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
-                       {k: [v[i] for i in keep] for k, v in batch.per_source.items()}, batch.t_generate)
+    """:meth:`ScoredBatch.take`, under the name trainer/scope_rollouts.py still imports; remove once it calls
+    ``batch.take`` itself."""
+    return batch.take(keep)
 
 
 class AMPO:
@@ -113,8 +112,6 @@ class AMPO:
         teacher solution in the column (before any work)."""
         if not cfg.algorithm.ampo.enabled:
             return None
-        if (error := run_problem(cfg)) is not None:  # as at config load, for a Config built in code
-            raise ConfigError(error)
         from anabranch.trainer.distributed import require_plain_ddp
 
         require_plain_ddp(dist, "algorithm.ampo.enabled", "AMPO's selection forward runs on a varying number of "
@@ -144,14 +141,14 @@ class AMPO:
         cand = ScoredBatch(r, [row] * len(texts), scored.total, per_source)
         ok = batch_correct(cand, c.rewards)
         keep = [i for i, v in enumerate(ok) if v == 1.0]
-        return take_rows(cand, keep) if keep else None
+        return cand.take(keep) if keep else None
 
     def step(self, c, batch: ScoredBatch, micro_tokens: int = 0) -> AMPOStep:
         """``micro_tokens``: the step's token budget per micro-batch (0: rows), for the selection forward."""
         groups = batch.rollout.group_index
         correct = batch_correct(batch, c.rewards)
         failed = all_fail_groups(torch.tensor(correct), groups)
-        first = {g: int((groups == g).nonzero()[0]) for g in failed}
+        first = first_rows(groups)
         found = {g: cand for g in failed if (cand := self.candidates(c, batch, g, first[g])) is not None}
         # Teacher texts are not the policy's answers: stateful rewards (OLR, LASER-D) must not learn from them.
         discard_reward_observations(c.rewards)
@@ -169,7 +166,7 @@ class AMPO:
                 s = [float(scores[i]) for i in rows]
                 top = (select_top(s, self.a.num_replace) if self.a.selection == "mean_logprob"
                        else list(range(min(self.a.num_replace, len(s)))))
-                chosen[g] = take_rows(found[g], top)
+                chosen[g] = found[g].take(top)
                 lps[g] = [s[i] for i in top]
         out, injected, picked = batch, None, []
         if chosen:
@@ -199,12 +196,12 @@ class AMPO:
                 continue
             teach = chosen[g]
             k = min(len(teach.rows), len(own.rows))
-            teach = take_rows(teach, list(range(k)))
+            teach = teach.take(range(k))
             # No sampler log-probs to give the teacher rows: the samplers that record them (EAD's schedule,
             # vLLM, tools, retry turns) are refused with AMPO (algorithms/ampo.py check_run).
             if own.rollout.loss_mask is not None:
                 teach.rollout.loss_mask = torch.ones_like(teach.rollout.response_mask)
-            kept = take_rows(own, list(range(len(own.rows) - k)))
+            kept = own.take(range(len(own.rows) - k))
             parts.append(concat_batches([kept, teach]) if kept.rows else teach)
             parts[-1].rollout.group_index = torch.zeros(len(own.rows), dtype=torch.long)
             parts[-1].rollout.prompts = list(own.rollout.prompts)

@@ -3,9 +3,9 @@
 Each step, after the rollouts are scored and before the update changes the policy:
 
 1. One expert solution per prompt (group): ``row["demonstration"]`` (``task.demonstration_column``), else
-   ``algorithm.calibrl.demonstration_template`` filled with the row's answer (``demonstration_text``,
-   shared with HPT and RL-PLUS), tokenized after the exact prompt text the rollout used (``build_sft_batch``).
-2. Its token log-probs under π_old: one forward without gradient (RL-PLUS's ``demonstration_log_probs``),
+   ``algorithm.calibrl.demonstration_template`` filled with the row's answer (``group_demonstrations``, shared
+   with HPT and RL-PLUS), tokenized after the exact prompt text the rollout used (``build_sft_batch``).
+2. Its token log-probs under π_old: one forward without gradient (RL-PLUS's ``demonstration_pass``),
    at the rollout temperature. The expert is not scored, not trained, and not counted in any group statistic.
 3. Each rollout row gets its group's baseline b_t over the rollout's response width
    (``precomputed["calibrl_baseline"]``, [B, T]); ``policy_update`` adds λ·agg(|Â|·LeakyReLU_α(...)) on the
@@ -24,13 +24,13 @@ import dataclasses
 
 import torch
 
-from anabranch.algorithms.calibrl import expert_baseline, run_problem
-from anabranch.algorithms.hpt import demonstration_text
-from anabranch.config import Config, ConfigError
+from anabranch.algorithms.aggregation import masked_mean
+from anabranch.algorithms.calibrl import expert_baseline
+from anabranch.config import Config
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.distributed import require_plain_ddp
-from anabranch.trainer.hpt_step import build_sft_batch, check_demonstrations
-from anabranch.trainer.rl_plus_step import demonstration_log_probs
+from anabranch.trainer.hpt_step import check_demonstrations, group_demonstrations
+from anabranch.trainer.rl_plus_step import demonstration_pass
 
 
 @dataclasses.dataclass
@@ -52,12 +52,10 @@ class CalibRL:
 
     @classmethod
     def create(cls, cfg: Config, dist, c) -> "CalibRL | None":
-        """None unless ``algorithm.calibrl.enabled``; refuses what config load refuses (for a Config built in
-        code), sharded training and training rows with no expert solution and no answer, before any work."""
+        """None unless ``algorithm.calibrl.enabled``; refuses sharded training and training rows with no expert
+        solution and no answer, before any work (the config itself is checked first: config_checks)."""
         if not cfg.algorithm.calibrl.enabled:
             return None
-        if (error := run_problem(cfg)) is not None:
-            raise ConfigError(error)
         require_plain_ddp(dist, "algorithm.calibrl.enabled", "CalibRL scores each rank's own expert solutions "
                           "in a forward of its own", "algorithm.calibrl.enabled=false")
         check_demonstrations(c.train_rows, cfg, "calibrl")
@@ -67,17 +65,12 @@ class CalibRL:
         """``batch``: the scored batch (groups, rows); ``rollout``: the one the update trains on (its width);
         ``model``: the policy before the update (π_old)."""
         groups = rollout.group_index
-        order = [int(g) for g in groups.unique()]
-        first = [int((groups == g).nonzero()[0]) for g in order]
-        prompts = [batch.rollout.prompts[g] for g in order]
-        demos = [demonstration_text(batch.rows[i], self.c.demonstration_template) for i in first]
-        sft = build_sft_batch(self.tokenizer, prompts, demos, self.c.max_demonstration_tokens)
-        old = demonstration_log_probs(model, sft, self.cfg.rollout.temperature, self.cfg.trainer.micro_batch_size)
+        demos = group_demonstrations(batch, self.c.demonstration_template, group_index=groups)
+        sft, old = demonstration_pass(model, self.tokenizer, demos.prompts, demos.texts,
+                                      self.c.max_demonstration_tokens, self.cfg)
         per_group = expert_baseline(old, sft.target_mask, rollout.response_ids.shape[1], self.c.baseline)
-        slot = torch.full((max(order) + 1,), -1, dtype=torch.long)
-        slot[torch.tensor(order)] = torch.arange(len(order))
-        baseline = per_group[slot[groups]]
-        tmask = sft.target_mask.float()
-        metrics = {"calibrl/expert_logprob": float((old * tmask).sum() / tmask.sum().clamp(min=1)),
-                   "calibrl/expert_tokens": float(tmask.sum()) / max(len(order), 1)}
+        _, slot = groups.unique(return_inverse=True)  # each row's group's place in demos.groups (both ascending)
+        baseline = per_group[slot]
+        metrics = {"calibrl/expert_logprob": float(masked_mean(old, sft.target_mask)),
+                   "calibrl/expert_tokens": float(sft.target_mask.sum()) / max(len(demos.groups), 1)}
         return CalibRLStep(baseline, metrics)

@@ -42,6 +42,16 @@ class ScoredBatch:
     def rewards(self) -> torch.Tensor:
         return torch.tensor(self.total, dtype=torch.float32)
 
+    def take(self, rows) -> "ScoredBatch":
+        """The sequences ``rows`` (indices, in that order, repeats allowed), as :meth:`Rollout.take` gives them:
+        the rollout's per-row fields, the dataset rows, totals and every reward source's scores; ``t_generate``
+        and ``metrics`` (a copy) are the batch's. Group numbers and prompts are unchanged: callers that
+        renumber groups set ``rollout.group_index`` and ``rollout.prompts`` after (:func:`select_groups`)."""
+        keep = [int(i) for i in rows]
+        return ScoredBatch(self.rollout.take(keep), [self.rows[i] for i in keep], [self.total[i] for i in keep],
+                           {k: [v[i] for i in keep] for k, v in self.per_source.items()}, self.t_generate,
+                           dict(self.metrics))
+
 
 def generate_scored(c, idx: list[int], cfg, step: int | None = None, round_: int = 1,
                     n: int | None = None, sources: list | None = None) -> ScoredBatch:
@@ -251,19 +261,21 @@ def select_groups(batch: ScoredBatch, groups: list[int]) -> ScoredBatch:
     """The sequences of ``groups`` (renumbered 0..len-1 in that order)."""
     r = batch.rollout
     new_id = {g: i for i, g in enumerate(groups)}
-    rows_idx = [i for i, g in enumerate(r.group_index.tolist()) if g in new_id]
-    rollout = r.take(rows_idx)  # every per-row field, whatever the Rollout holds
-    rollout.group_index = torch.tensor([new_id[int(g)] for g in rollout.group_index], dtype=r.group_index.dtype)
-    rollout.prompts = [r.prompts[g] for g in groups]
-    return ScoredBatch(rollout, [batch.rows[i] for i in rows_idx], [batch.total[i] for i in rows_idx],
-                       {k: [v[i] for i in rows_idx] for k, v in batch.per_source.items()}, batch.t_generate)
+    out = batch.take([i for i, g in enumerate(r.group_index.tolist()) if g in new_id])
+    out.rollout.group_index = torch.tensor([new_id[int(g)] for g in out.rollout.group_index], dtype=r.group_index.dtype)
+    out.rollout.prompts = [r.prompts[g] for g in groups]
+    return out
 
 
-def _pad(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
+def pad_concat(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
+    """[B_i, R_i, ...] tensors concatenated on dim 0, dim 1 zero-padded to the widest (on the left for prompts,
+    on the right for responses); 1-D [B_i] ones (a value per row) are concatenated as they are."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
     width = max(t.shape[1] for t in tensors)
     out = []
     for t in tensors:
-        pad = torch.zeros(t.shape[0], width - t.shape[1], dtype=t.dtype)
+        pad = torch.zeros(t.shape[0], width - t.shape[1], *t.shape[2:], dtype=t.dtype, device=t.device)
         out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
     return torch.cat(out)
 
@@ -293,7 +305,7 @@ def _process_rewards(rs: list[Rollout]) -> torch.Tensor | None:
     if not all(have):
         raise ValueError("concat_batches: some rounds carry PRM step rewards (Rollout.process_rewards) and others "
                          "not; rows added to a batch under reward.prm_shaping must be scored by rewards/prm.py too")
-    return _pad([r.process_rewards for r in rs], left=False)
+    return pad_concat([r.process_rewards for r in rs], left=False)
 
 
 def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
@@ -305,14 +317,15 @@ def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
         n += len(r.prompts)
     slp = loss_mask = None
     if all(r.sample_log_probs is not None for r in rs):
-        slp = _pad([r.sample_log_probs for r in rs], left=False)
+        slp = pad_concat([r.sample_log_probs for r in rs], left=False)
     if any(r.loss_mask is not None for r in rs):  # a round without tool outputs: every token sampled
-        loss_mask = _pad([torch.ones_like(r.response_mask) if r.loss_mask is None else r.loss_mask for r in rs],
-                         left=False)
+        loss_mask = pad_concat([torch.ones_like(r.response_mask) if r.loss_mask is None else r.loss_mask
+                                for r in rs], left=False)
     rollout = Rollout(
-        prompt_ids=_pad([r.prompt_ids for r in rs], True), prompt_mask=_pad([r.prompt_mask for r in rs], True),
-        response_ids=_pad([r.response_ids for r in rs], False),
-        response_mask=_pad([r.response_mask for r in rs], False),
+        prompt_ids=pad_concat([r.prompt_ids for r in rs], True),
+        prompt_mask=pad_concat([r.prompt_mask for r in rs], True),
+        response_ids=pad_concat([r.response_ids for r in rs], False),
+        response_mask=pad_concat([r.response_mask for r in rs], False),
         group_index=torch.cat([r.group_index + o for r, o in zip(rs, offsets)]),
         prompts=[p for r in rs for p in r.prompts], completions=[c for r in rs for c in r.completions],
         truncated=torch.cat([r.truncated for r in rs]), sample_log_probs=slp, loss_mask=loss_mask,

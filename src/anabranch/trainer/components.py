@@ -276,7 +276,7 @@ def lr_lambda(cfg: Config):
             return warm * max(0.0, 1 - step / t.steps)
         return warm
 
-    return fn  # trainer.lr_schedule is checked with the config (config_loading.validate)
+    return fn  # trainer.lr_schedule is checked with the config (config_checks)
 
 
 def quiet_libraries() -> None:

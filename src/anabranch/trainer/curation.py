@@ -193,7 +193,6 @@ class Curation:
         """None unless ``task.curation`` is set; refuses what cannot hold with a fixed kept set."""
         if cfg.task.curation == "none":
             return None
-        check_curation_config(cfg)
         if cfg.task.curation == "greedy_wrong":  # filtered per round in collect_batch: no kept set, no pre-pass
             return None
         return cls(cfg, dist)

@@ -207,7 +207,7 @@ TARGETS_OVER_WHOLE_RESPONSES = ("flowrl", "fdpg", "brain")
 
 
 def check_config(cfg) -> None:
-    """CURE's key ranges and refused combinations (called from config_loading.validate)."""
+    """CURE's key ranges and refused combinations (config_checks)."""
     from anabranch.config import ConfigError
 
     r = cfg.rollout

@@ -337,6 +337,15 @@ class Distributed:
         vals = self.all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
         return {k: (v / self.world_size).item() for k, v in zip(keys, vals)}
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (one shape on all ranks), concatenated along dim 0 in rank order, on the CPU."""
+        if self.world_size == 1:
+            return t
+        t = t.to(self.accelerator.device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, t)
+        return torch.cat(out).cpu()
+
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:

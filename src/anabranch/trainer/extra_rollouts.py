@@ -68,11 +68,13 @@ def extra_counts(accs: list[float], n: int, schedule: str, threshold: float, max
     return out
 
 
-def group_accuracy(batch, sources) -> list[float]:
-    """Per group 0..G−1: the fraction of its samples with full credit."""
+def group_accuracy(batch, sources=None, correct: list[float] | None = None) -> list[float]:
+    """Per group 0..G−1: the fraction of its samples with full credit (0 for a group without rows), in
+    float64 (2 of 3 right is 2/3's nearest double, which SEELE's fit reads). ``correct``: the rows' 0/1 flags
+    when already known, else ``batch_correct(batch, sources)``."""
     from anabranch.eval.accuracy import batch_correct
 
-    flags = torch.tensor(batch_correct(batch, sources), dtype=torch.float64)
+    flags = torch.tensor(batch_correct(batch, sources) if correct is None else correct, dtype=torch.float64)
     g = batch.rollout.group_index.long()
     n_groups = len(batch.rollout.prompts)
     hits = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, flags)
@@ -116,21 +118,17 @@ def sum_round_metrics(rounds: list[dict]) -> dict:
 
 def merge_groups(batch, extra, owner: torch.Tensor):
     """One batch: ``batch``'s groups, each followed by the rows of ``extra`` whose ``owner`` it is."""
-    from anabranch.trainer.collect import ScoredBatch, concat_batches
+    from anabranch.trainer.collect import concat_batches
 
     both = concat_batches([batch, extra])
-    r = both.rollout
-    r.group_index = torch.cat([batch.rollout.group_index, owner])
-    r.prompts = list(batch.rollout.prompts)
+    both.rollout.group_index = torch.cat([batch.rollout.group_index, owner])
+    both.rollout.prompts = list(batch.rollout.prompts)
     # Stable sort by group: a group's first-stage rows, then its extra rows, in sampling order.
-    order = torch.sort(r.group_index, stable=True).indices
-    take = order.tolist()
-    r = r.take(take)  # every per-row field (PRM step rewards included), whatever the Rollout holds
-    r.metrics = {**batch.rollout.metrics, **_summed(batch.rollout.metrics, extra.rollout.metrics)}
-    metrics = {**batch.metrics, **_summed(batch.metrics, extra.metrics)}
-    return ScoredBatch(r, [both.rows[i] for i in take], [both.total[i] for i in take],
-                       {k: [v[i] for i in take] for k, v in both.per_source.items()},
-                       batch.t_generate + extra.t_generate, metrics)
+    out = both.take(torch.sort(both.rollout.group_index, stable=True).indices.tolist())  # PRM step rewards too
+    out.rollout.metrics = {**batch.rollout.metrics, **_summed(batch.rollout.metrics, extra.rollout.metrics)}
+    out.metrics = {**batch.metrics, **_summed(batch.metrics, extra.metrics)}
+    out.t_generate = batch.t_generate + extra.t_generate
+    return out
 
 
 def _summed(first: dict, second: dict) -> dict:
@@ -140,7 +138,7 @@ def _summed(first: dict, second: dict) -> dict:
 
 
 def check_config(cfg) -> None:
-    """Combinations refused before any work (called from config_loading.validate when DARS is on)."""
+    """Combinations refused before any work (config_checks, when DARS is on)."""
     from anabranch.config import ConfigError
 
     if cfg.task.pairing:

@@ -23,6 +23,7 @@ from anabranch.algorithms.guide import all_fail_groups, hint_fields, hint_text, 
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
+from anabranch.rollout.base import first_rows
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
 
 
@@ -85,7 +86,7 @@ class Guide:
         n_groups = len(batch.rollout.prompts)
         out, beh, rows, n_correct, n_guided = batch, None, None, 0.0, 0.0
         if failed:
-            first = {g: int((groups == g).nonzero()[0]) for g in failed}
+            first = first_rows(groups)
             g_rows = [batch.rows[first[g]] for g in failed]
             prompts = [hinted_prompt(batch.rollout.prompts[g], question_text(r), hint_text(r, self.g.hint_template))
                        for g, r in zip(failed, g_rows)]

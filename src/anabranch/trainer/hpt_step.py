@@ -40,7 +40,7 @@ from anabranch.eval.accuracy import batch_correct
 from anabranch.models.logprobs import response_forward
 from anabranch.rewards.guard import warn
 from anabranch.trainer.distributed import require_plain_ddp
-from anabranch.rollout.base import Rollout, left_padded, pad_id, right_padded
+from anabranch.rollout.base import Rollout, first_rows, left_padded, pad_id, right_padded
 
 
 @dataclasses.dataclass
@@ -79,6 +79,29 @@ def sft_batch(prompts: list[list[int]], targets: list[list[int]], pad: int) -> S
     prompt_ids, prompt_mask = left_padded(prompts, pad)
     t_ids, t_mask = right_padded(targets, pad)
     return SFTBatch(torch.cat([prompt_ids, t_ids], 1), torch.cat([prompt_mask, t_mask], 1), t_mask)
+
+
+@dataclasses.dataclass
+class GroupDemonstrations:
+    """One demonstration per group (prompt) of a scored batch, the groups in the order asked."""
+
+    groups: list[int]
+    rows: list[dict]     # each group's dataset row (its first sequence's: all of them answer the same prompt)
+    prompts: list[str]   # the exact prompt text its rollout used (same chat template)
+    texts: list[str]     # its demonstration: demonstration_text(row, template)
+
+
+def group_demonstrations(batch, template: str, groups: list[int] | None = None,
+                         group_index: torch.Tensor | None = None) -> GroupDemonstrations:
+    """The demonstrations of ``groups`` (default every group, ascending) of ``batch`` (a ScoredBatch), to put
+    after their prompts with :func:`build_sft_batch`: HPT's switched groups, RL-PLUS's and CalibRL's every
+    group. ``group_index``: whose first row of each group reads ``batch.rows`` (default the batch rollout's;
+    CalibRL passes the trained rollout's, the same rows)."""
+    first = first_rows(batch.rollout.group_index if group_index is None else group_index)
+    order = list(first) if groups is None else [int(g) for g in groups]
+    rows = [batch.rows[first[g]] for g in order]
+    return GroupDemonstrations(order, rows, [batch.rollout.prompts[g] for g in order],
+                               [demonstration_text(r, template) for r in rows])
 
 
 def sft_extra_loss(model, batch: SFTBatch | None, coef: float, temperature: float, micro_batch_size: int,
@@ -206,26 +229,25 @@ class HPT:
             metrics["hpt/sft_tokens"] = 0.0
         if not sft:
             return HPTStep(rollout, [], None, metrics)
-        first = {g: int((groups == g).nonzero()[0]) for g in sft}
-        demos = [demonstration_text(batch.rows[first[g]], self.h.demonstration_template) for g in sft]
-        sft_batch = build_sft_batch(self.tokenizer, [batch.rollout.prompts[g] for g in sft], demos,
-                                    self.h.max_demonstration_tokens)
+        demos = group_demonstrations(batch, self.h.demonstration_template, sft)
+        sft_batch = build_sft_batch(self.tokenizer, demos.prompts, demos.texts, self.h.max_demonstration_tokens)
         metrics["hpt/sft_tokens"] = float(sft_batch.target_mask.sum()) * self.world_size
         return HPTStep(without_groups(rollout, sft), sft, sft_batch, metrics)
 
 
-def check_demonstrations(rows: list[dict], cfg: Config, section: str = "hpt") -> None:
-    """Every training row needs a demonstration or a reference answer to write one from (HPT, RL-PLUS:
-    ``section`` names the config section); a warning when every demonstration is the template."""
+def check_demonstrations(rows: list[dict], cfg: Config, section: str = "hpt", what: str = "training") -> None:
+    """Every row needs a demonstration or a reference answer to write one from (HPT, RL-PLUS: ``section``
+    names the config section). ``what``: "training" (the run's own rows; warns when every demonstration is
+    the template) or "replay" (RECAP's replay rows, algorithm.recap.replay_task: no warning)."""
     template = getattr(cfg.algorithm, section).demonstration_template
     for i, row in enumerate(rows, start=1):
         if demonstration_text(row, template) is None:
             raise ConfigError(
-                f"algorithm.{section}.enabled: training row {i} has no demonstration (column "
+                f"algorithm.{section}.enabled: {what} row {i} has no demonstration (column "
                 f"task.demonstration_column={cfg.task.demonstration_column!r}) and no reference answer "
                 f"(task.answer_column={cfg.task.answer_column!r}) to fill algorithm.{section}.demonstration_template "
                 f"with; give every row one of them, or set algorithm.{section}.enabled=false")
-    if rows and not any("demonstration" in row for row in rows):
+    if what == "training" and rows and not any("demonstration" in row for row in rows):
         # Measured: HPT on template demonstrations lowered SmolLM2's held-out accuracy (docs/benchmarks.md).
         warn(f"algorithm.{section}: no training row has a worked solution in task.demonstration_column="
              f"{cfg.task.demonstration_column!r}; every demonstration is algorithm.{section}.demonstration_template "

@@ -33,11 +33,12 @@ def check_teacher_path(cfg: Config) -> None:
         check_model_path(cfg.algorithm.kdrl.teacher, "algorithm.kdrl.teacher")
 
 
-def check_same_vocabulary(student_tok, teacher_tok, teacher_vocab_size: int, teacher: str) -> None:
+def check_same_vocabulary(student_tok, teacher_tok, teacher_vocab_size: int, teacher: str,
+                          key: str = "algorithm.kdrl.teacher") -> None:
     """ConfigError unless the teacher's tokenizer maps every token string to the student's id, and the
-    teacher's output layer covers every id the student can sample."""
+    teacher's output layer covers every id the student can sample; ``key``: the config key that named it."""
     s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
-    where = f"algorithm.kdrl.teacher={teacher!r}"
+    where = f"{key}={teacher!r}"
     if len(s_vocab) != len(t_vocab):
         raise ConfigError(f"{where}: the teacher's tokenizer has {len(t_vocab)} tokens, the student's "
                           f"{len(s_vocab)}; KDRL compares the log-probs of the same token ids, so the teacher must "
@@ -53,24 +54,27 @@ def check_same_vocabulary(student_tok, teacher_tok, teacher_vocab_size: int, tea
                           f"{len(s_vocab)} tokens of the shared tokenizer")
 
 
+def load_frozen_model(cfg: Config, path: str, key: str, student_tokenizer, device: torch.device):
+    """The model at ``path`` frozen (eval mode, no gradient), with the student's dtype and trust_remote_code
+    but no LoRA or checkpointing (a whole frozen model), its tokenizer checked against the student's
+    (:func:`check_same_vocabulary`). ``key``: the config key that set ``path``, named in the errors."""
+    from anabranch.models.loading import load_model, load_tokenizer
+
+    mcfg = dataclasses.replace(cfg.model, path=path, tokenizer=None, lora=LoraConfig(), gradient_checkpointing=False)
+    try:
+        tok = load_tokenizer(mcfg)
+        model = load_model(mcfg, device, trainable=False)
+    except ConfigError as exc:  # the loaders name model.path; the key the user set is this one
+        raise ConfigError(str(exc).replace("model.path", key)) from None
+    check_same_vocabulary(student_tokenizer, tok, model.get_output_embeddings().weight.shape[0], path, key)
+    return model
+
+
 def load_teacher(cfg: Config, student_tokenizer, device: torch.device):
     """The frozen teacher model (eval mode, no gradient), or None when KDRL is off."""
     if not kdrl_on(cfg.algorithm):
         return None
-    from anabranch.models.loading import load_model, load_tokenizer
-
-    path = cfg.algorithm.kdrl.teacher
-    # The student's dtype and trust_remote_code; no LoRA or checkpointing (a frozen, whole model).
-    mcfg = dataclasses.replace(cfg.model, path=path, tokenizer=None, lora=LoraConfig(),
-                               gradient_checkpointing=False)
-    try:
-        teacher_tok = load_tokenizer(mcfg)
-        model = load_model(mcfg, device, trainable=False)
-    except ConfigError as exc:  # the loaders name model.path; the key the user set is this one
-        raise ConfigError(str(exc).replace("model.path", "algorithm.kdrl.teacher")) from None
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    check_same_vocabulary(student_tokenizer, teacher_tok, vocab_size, path)
-    return model
+    return load_frozen_model(cfg, cfg.algorithm.kdrl.teacher, "algorithm.kdrl.teacher", student_tokenizer, device)
 
 
 @dataclasses.dataclass

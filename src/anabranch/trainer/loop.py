@@ -12,8 +12,8 @@ import torch
 from anabranch.algorithms.kl_control import build_kl_controller
 from anabranch.algorithms.dsdr import apply_dsdr, with_dsdr
 from anabranch.algorithms.overlong import filter_overlong
-from anabranch.algorithms.scaffold import check_run as check_scaffold_run
 from anabranch.config import Config
+from anabranch.config_checks import check_whole_config
 from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_accuracy
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
@@ -25,7 +25,6 @@ from anabranch.trainer.collect import collect_batch
 from anabranch.trainer.std_filter import build_std_filter
 from anabranch.algorithms.mssr import attach_mssr
 from anabranch.rewards.compose import reward_states
-from anabranch.rollout.retry_turns import check_config as check_retry_turns
 from anabranch.trainer.components import build, lr_lambda, quiet_libraries
 from anabranch.trainer.distributed import Distributed, NullRunDir
 from anabranch.trainer.gpu_budget import measured_budget
@@ -45,8 +44,8 @@ from anabranch.trainer.calibrl_step import CalibRL
 from anabranch.trainer.rltf_sd_step import RLTFSD
 from anabranch.trainer.kdrl_step import KDRL
 from anabranch.trainer.srpo_step import SRPO
-from anabranch.trainer.spae_step import SPAE, check_spae_run
-from anabranch.trainer.ref_reset import RefReset, check_ref_reset
+from anabranch.trainer.spae_step import SPAE
+from anabranch.trainer.ref_reset import RefReset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.rorecomp import RoRecomp
 from anabranch.trainer.run_dir import RunDir
@@ -75,12 +74,9 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
+    # Every check load_config runs, again for a Config built in code: refused before any model loads.
+    check_whole_config(cfg)
     quiet_libraries()
-    check_ref_reset(cfg)  # ProRL's reference reset with LoRA: refused before any model loads
-    check_scaffold_run(cfg)  # GHPO scaffolding's backend/tools/pairing: refused before any model loads
-    check_spae_run(cfg)  # SPAE with tools / rollout.retry_turns: refused before any model loads
-    if cfg.rollout.retry_turns >= 2:  # with SRPO, CURE, tools, ...: the load-time check, for configs built in code
-        check_retry_turns(cfg)
     dist = Distributed.start(cfg)  # one process: a no-op; under accelerate launch: this rank
     c = build(cfg, mixed_precision=dist.mixed_precision)
     dist.prepare(c)
@@ -198,6 +194,10 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # The step's method results, (method, result), folded into the update below: a batch rewriter's
             # .batch, and where present .precomputed(pre), .extra_loss(method, model, dist), .metrics, .pre_correct
             parts = []
+            # RECAP: this step's weights (from the steps before), its replay rows, and the RL error measured
+            # here, before Guide/scaffolding/AMPO/SCOPE put hinted or teacher rows in the failed rows' places
+            if recap is not None:
+                parts.append((recap, recap.step(step, batch, c.rewards)))
             # Guide / GHPO scaffolding: all-fail groups sampled again with a hint (Guide trains them for the
             # hint-free prompt, scaffolding in the hinted one); AMPO: the teachers' correct solutions the student
             # finds most likely. Each replaces the groups in place (at most one of them is on).
@@ -245,8 +245,6 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             if rltf_sd is not None:
                 parts.append((rltf_sd, rltf_sd.step(rollout)))
             # KDRL: the teacher's log-probs of the rollout (no gradient) and each row's β_s·mask, before the update
-            if recap is not None:  # RECAP: this step's weights (from the steps before), its replay rows
-                parts.append((recap, recap.step(step, batch, c.rewards)))
             if kdrl is not None:
                 parts.append((kdrl, kdrl.step(step, batch, rollout, c.rewards, micro_tokens)))
             # SRPO: failed rows' self-teacher log-probs (policy + feedback, no gradient); they leave the GRPO term

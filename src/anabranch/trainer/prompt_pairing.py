@@ -173,12 +173,8 @@ class PromptPairing:
 
     @classmethod
     def create(cls, cfg: Config, dist=None) -> "PromptPairing | None":
-        """None unless ``task.pairing``; refuses what cannot work with a fixed set of pairs, and
-        Weighted GRPO without pairing (it needs the q+/q− roles)."""
-        # Imported here, not at the top: config validation imports this module (check_pairing).
-        from anabranch.algorithms.weighted_grpo import check_needs_pairing
-
-        check_needs_pairing(cfg)
+        """None unless ``task.pairing``; refuses what cannot work with a fixed set of pairs. (Weighted GRPO
+        without pairing is refused with the whole config, config_checks, before train() gets here.)"""
         if not cfg.task.pairing:
             return None
         a = cfg.algorithm

@@ -82,7 +82,6 @@ class RefReset:
         a = cfg.algorithm
         if a.ref_reset_every <= 0:
             return None
-        check_ref_reset(cfg)
         if c.ref_model is None:  # resolve_algorithm refuses this; kept for a hand-built Components
             raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every} needs a reference model "
                               "(algorithm.kl_coef > 0)")

@@ -182,7 +182,7 @@ def build_buffer(c, cfg: Config, dist=None) -> RehearsalBuffer:
             # The first keep_per_prompt samples of each perfect prompt (rows are n adjacent per group).
             keep = [i for i, g in enumerate(sel.rollout.group_index.tolist())
                     if i - g * d.buffer_n < d.keep_per_prompt]
-            sel = _rows(sel, keep)
+            sel = sel.take(keep)  # every per-row field (attempt_correct, process_rewards, ...)
             sel.rows = [part[good[g]] for g in sel.rollout.group_index.tolist()]  # training row of each
             kept.append((pos[part[0]], sel))
     # Every rank's results, in the choice's order (shares are contiguous): the state does not depend on W.
@@ -220,13 +220,6 @@ def _initial_log_probs(model, buf: RehearsalBuffer, cfg: Config, dist=None) -> t
         out, _, _ = sequence_log_probs(model, buf, rows, cfg.rollout.temperature)
         lp[start:start + len(rows), :out.shape[1]] = out.float().cpu()
     return torch.cat([part for part in gather_ranks(dist, lp[:hi - lo])])
-
-
-def _rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
-    """Sequences ``keep`` of ``batch`` (their groups keep their numbers)."""
-    rollout = batch.rollout.take(keep)  # every per-row field (attempt_correct, process_rewards, ...)
-    return ScoredBatch(rollout, [batch.rows[i] for i in keep], [batch.total[i] for i in keep],
-                       {k: [v[i] for i in keep] for k, v in batch.per_source.items()})
 
 
 class ExcludingSampler:

@@ -37,14 +37,13 @@ from typing import Callable
 import torch
 
 from anabranch.algorithms.aggregation import BatchScale, aggregate, batch_scale, masked_mean
-from anabranch.algorithms.hpt import demonstration_text
 from anabranch.algorithms.rl_plus import demonstration_advantage, exploration_weight, external_loss_mat, mis_ratio
 from anabranch.config import Config
 from anabranch.models.logprobs import response_forward
 from anabranch.rewards import score_detailed
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.distributed import require_plain_ddp
-from anabranch.trainer.hpt_step import SFTBatch, build_sft_batch, check_demonstrations
+from anabranch.trainer.hpt_step import SFTBatch, build_sft_batch, check_demonstrations, group_demonstrations
 
 
 @torch.no_grad()
@@ -57,6 +56,14 @@ def demonstration_log_probs(model, batch: SFTBatch, temperature: float, micro_ba
         out.append(response_forward(model, batch.input_ids[sl].to(device), batch.attention_mask[sl].to(device),
                                     batch.response_len, temperature).log_probs.float().cpu())
     return torch.cat(out)
+
+
+def demonstration_pass(model, tokenizer, prompts: list[str], texts: list[str], max_tokens: int,
+                       cfg: Config) -> tuple[SFTBatch, torch.Tensor]:
+    """(the demonstrations ``texts`` after their ``prompts`` (:func:`build_sft_batch`), their [N, R] token
+    log-probs under ``model`` now, π_old, at the rollout temperature): RL-PLUS's and CalibRL's expert forward."""
+    sft = build_sft_batch(tokenizer, prompts, texts, max_tokens)
+    return sft, demonstration_log_probs(model, sft, cfg.rollout.temperature, cfg.trainer.micro_batch_size)
 
 
 def external_extra_loss(model, batch: SFTBatch | None, old_log_prob: torch.Tensor | None,
@@ -157,11 +164,8 @@ class RLPlus:
         scale = (batch_scale(rollout.trained_mask, max_len) if self.dist is None
                  else self.dist.batch_scale(rollout.trained_mask.float(), max_len))
         groups = batch.rollout.group_index
-        order = [int(g) for g in groups.unique()]
-        first = [int((groups == g).nonzero()[0]) for g in order]
-        rows = [batch.rows[i] for i in first]
-        prompts = [batch.rollout.prompts[g] for g in order]
-        demos = [demonstration_text(r, self.r.demonstration_template) for r in rows]
+        d = group_demonstrations(batch, self.r.demonstration_template)
+        order, rows, prompts, demos = d.groups, d.rows, d.prompts, d.texts
         demo_reward = score_detailed(self.sources, prompts, demos, rows, group_index=order).total
         rewards = batch.rewards
         adv = [demonstration_advantage(r_e, rewards[groups == g], a.norm_adv_by_std, a.adv_epsilon)
@@ -178,8 +182,7 @@ class RLPlus:
             metrics["rl_plus/demo_tokens"] = 0.0
         if not live:
             return RLPlusStep(None, None, None, scale, metrics)
-        sft = build_sft_batch(self.tokenizer, [prompts[k] for k in live], [demos[k] for k in live],
-                              self.r.max_demonstration_tokens)
-        old = demonstration_log_probs(model, sft, self.cfg.rollout.temperature, self.cfg.trainer.micro_batch_size)
+        sft, old = demonstration_pass(model, self.tokenizer, [prompts[k] for k in live], [demos[k] for k in live],
+                                      self.r.max_demonstration_tokens, self.cfg)
         metrics["rl_plus/demo_tokens"] = float(sft.target_mask.sum()) * (self.dist.world_size if self.dist else 1)
         return RLPlusStep(sft, old, torch.tensor([adv[k] for k in live]), scale, metrics)

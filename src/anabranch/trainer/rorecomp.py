@@ -35,6 +35,13 @@ Checkpoint/resume: the buffer is stateful ``rorecomp`` in ``trainer_state.pt``: 
 every rank's and each rank restores its own (rank mod the saved count), so a resumed run replays what
 the uninterrupted one would have. Sharded training (FSDP / ZeRO-3) is refused: ranks would train
 different numbers of rows.
+
+Refused objectives (``check_config``, at config load): those matching a distribution over each group's
+unbiased samples (FlowRL, f-DPG, BRAIn), and those that read group statistics from the update's own rows
+instead of the advantages (computed on the whole batch before the split): ``ignores_advantages`` (OREAL,
+ReasonMaxxer, PACS rebuild labels / RLOO values from the trained rows' rewards and groups), ``group=True``
+objectives, and the ``whole_groups`` need (ETR's reward variance with etr_var_coef > 0). On recomposed rows
+their numbers are wrong: a 3-right / 3-wrong group of 6 has RLOO A = ±1.2, its priority pair alone ±2.0.
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ from typing import NamedTuple
 
 import torch
 
+from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 from anabranch.algorithms.rorecomp import priority_mask
 from anabranch.config import ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.advantage_pass import rollout_forward
-from anabranch.trainer.collect import ScoredBatch, concat_batches
+from anabranch.trainer.collect import ScoredBatch, concat_batches, pad_concat
 
 # Objectives that match a distribution over each group's unbiased draws (or need whole groups):
 # a length-selected subset and stale rows would bias the target they match.
@@ -79,15 +87,22 @@ def check_config(cfg) -> None:
                           f"rollout.n={cfg.rollout.n}, algorithm.prof_keep={a.prof_keep}): with fewer every response "
                           "is in the priority batch and nothing is recomposed; raise rollout.n (and prof_keep, which "
                           "cuts each group to prof_keep rows before RoRecomp sees it)")
-    loss = a.loss or a.name
+    loss = objective_name(a)
     if loss in _DISTRIBUTION_LOSSES or a.name in _DISTRIBUTION_LOSSES:
         raise ConfigError(f"algorithm.rorecomp_fraction > 0 with {loss}: its objective matches a distribution over "
                           "each group's unbiased samples, which a length-selected priority batch and replayed rows "
                           "bias; use grpo/dapo-style losses (ppo_clip, ...) or set algorithm.rorecomp_fraction=0")
+    if (why := batch_group_reader(a, loss)) is not None:
+        raise ConfigError(f"algorithm.rorecomp_fraction > 0 with loss={loss}: {why}. The trained rows are each group's "
+                          "priority subset plus replayed leftovers of earlier groups, so such group numbers are wrong "
+                          "(a group of 6 with 3 right / 3 wrong: RLOO ±1.2 on the whole group, ±2.0 on its priority "
+                          "pair, 0 on a one-sign leftover chunk). Use a loss that reads the advantages, which are "
+                          "computed on the whole batch before the split (ppo_clip, cispo, gspo, ...), or set "
+                          "algorithm.rorecomp_fraction=0")
     rebuilders = [("algorithm.guide.enabled", a.guide.enabled), ("algorithm.scaffold.enabled", a.scaffold.enabled),
                   ("algorithm.ampo.enabled", a.ampo.enabled), ("algorithm.hpt.enabled", a.hpt.enabled),
                   ("algorithm.rl_plus.enabled", a.rl_plus.enabled), ("algorithm.scope.enabled", a.scope.enabled),
-                  ("algorithm.calibrl.enabled", bool(getattr(getattr(a, "calibrl", None), "enabled", False))),
+                  ("algorithm.calibrl.enabled", a.calibrl.enabled),
                   ("algorithm.kdrl.teacher", bool(a.kdrl.teacher)),
                   ("algorithm.srpo_coef > 0", a.srpo_coef > 0), ("algorithm.spae_coef > 0", a.spae_coef > 0),
                   ("algorithm.rltf_sd_coef > 0", a.rltf_sd_coef > 0),
@@ -98,6 +113,38 @@ def check_config(cfg) -> None:
             raise ConfigError(f"algorithm.rorecomp_fraction > 0 with {key}: that method rebuilds or re-weights the "
                               "step's rows by their position in the batch, which RoRecomp's selection and replay "
                               f"change; turn one of them off (algorithm.rorecomp_fraction=0)")
+
+
+def objective_name(a) -> str:
+    """The loss a run trains: ``algorithm.loss``, or the one its recipe sets (a config built in code may not have
+    had its recipe applied yet)."""
+    if a.loss:
+        return a.loss
+    try:
+        return RECIPES.get(a.name).get("loss") or a.name
+    except KeyError:  # an unknown recipe: resolution reports it
+        return a.name
+
+
+def batch_group_reader(a, loss: str) -> str | None:
+    """Why ``loss`` reads group statistics from the update's own rows instead of the advantages, or None.
+    Such an objective recomputes them on whatever rows the update trains, which RoRecomp cuts and mixes:
+    ``ignores_advantages`` (OREAL, ReasonMaxxer, PACS: labels / RLOO values from the rewards and groups),
+    ``group=True`` (compares a prompt's samples in the loss) or the ``whole_groups`` need (a per-group term,
+    e.g. ETR's reward variance with etr_var_coef > 0)."""
+    try:
+        meta = OBJECTIVES.meta(loss)
+    except KeyError:  # an unknown loss: resolution reports it
+        return None
+    if meta.get("ignores_advantages"):
+        return ("its labels or RLOO values are recomputed from the rewards and groups of the rows the update "
+                "trains, never read from the advantages")
+    if meta.get("group"):
+        return "it compares the samples of each prompt among the rows the update trains"
+    needs = meta.get("needs", ())
+    if "whole_groups" in (needs(a) if callable(needs) else needs):
+        return "its loss has a per-group term over the rows of each group that the update trains"
+    return None
 
 
 def group_size(cfg) -> int:
@@ -198,14 +245,6 @@ def _row_tensors(pre: dict, n: int) -> dict:
     return pre
 
 
-def _pad_right(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[B_i, R_i] (or [B_i]) tensors stacked on dim 0, 2-D ones right-padded with zeros to the widest."""
-    if tensors[0].dim() == 1:
-        return torch.cat(tensors)
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-
 def merge(chunks: list[Chunk]) -> Chunk:
     """One training set of several chunks: prompts re-left-padded, responses and per-token tensors
     re-right-padded (trainer/collect.concat_batches for the rollout). Every chunk must hold the same
@@ -218,8 +257,8 @@ def merge(chunks: list[Chunk]) -> Chunk:
         return chunks[0]
     batches = [ScoredBatch(c.rollout, [None] * len(c), c.rewards.tolist(), {}) for c in chunks]
     rollout = concat_batches(batches).rollout
-    pre = {k: _pad_right([c.precomputed[k] for c in chunks]) for k in chunks[0].precomputed}
-    return Chunk(chunks[0].born, rollout, _pad_right([c.advantages for c in chunks]), pre,
+    pre = {k: pad_concat([c.precomputed[k] for c in chunks], left=False) for k in chunks[0].precomputed}
+    return Chunk(chunks[0].born, rollout, pad_concat([c.advantages for c in chunks], left=False), pre,
                  torch.cat([c.rewards for c in chunks]))
 
 
@@ -285,8 +324,11 @@ class RoRecomp:
                       {k: v.detach().cpu() for k, v in _row_tensors(precomputed, n).items()}, rewards.cpu())
         expired = self.buffer.expire(step)
         due = self.buffer.pop(self.k) if len(self.buffer) >= self.k else []
-        rest = [i for i in range(n) if not prio[i]
-                and bool((advantages[i].cpu() * train_rollout.trained_mask[i].cpu()).abs().sum() > 0)]
+        # A row with no advantage on a trained token carries no signal ([B] advantages broadcast per row).
+        signal = (whole.advantages.reshape(n, -1) * train_rollout.trained_mask.cpu()).abs().sum(-1) > 0
+        # The cap keeps only the newest ``capacity`` rows, so those before them would be dropped as they enter:
+        # leave them out now, before their behaviour pass (the buffer ends up the same).
+        rest = torch.nonzero(signal & ~prio.bool()).flatten().tolist()[-self.buffer.capacity:]
         entering = whole.take(rest)
         if rest:  # marked as replayed rows, with the π_old of this step (trainer/step.py's behaviour rows)
             lp = self.behaviour_log_prob(entering.rollout, entering.precomputed, micro_tokens)

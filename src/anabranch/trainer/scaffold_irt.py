@@ -12,16 +12,9 @@ so that every rank holds (and rank 0 checkpoints) the same table.
 
 from __future__ import annotations
 
-import torch
-
-from anabranch.algorithms.scaffold import _WORD
-from anabranch.eval.accuracy import batch_correct
-
-
-def group_accuracy(correct: list[float], group_index: torch.Tensor) -> dict[int, float]:
-    """Mean of the 0/1 ``correct`` per group (``group_index``: [B] the rows' groups)."""
-    flags = torch.tensor(correct, dtype=torch.float64)
-    return {int(g): float(flags[group_index == g].mean()) for g in group_index.unique().tolist()}
+from anabranch.algorithms.scaffold import solution_words
+from anabranch.rollout.base import first_rows
+from anabranch.trainer.extra_rollouts import group_accuracy
 
 
 def irt_rounds(scaffold, c, batch, correct: list[float], step) -> tuple[dict, float, dict]:
@@ -29,10 +22,10 @@ def irt_rounds(scaffold, c, batch, correct: list[float], step) -> tuple[dict, fl
     ({group: (hinted batch, its group there, ratio shown)}, as the stages'), the generation time, and sums
     for the logged numbers (the last round's accuracy and the rounds, over the hinted groups)."""
     irt = scaffold.irt
-    own = group_accuracy(correct, batch.rollout.group_index)
-    pending = [g for g in sorted(own) if irt.needs_hint(own[g])]
-    first = {g: int((batch.rollout.group_index == g).nonzero()[0]) for g in pending}
-    words = {g: len(_WORD.findall(batch.rows[first[g]].get("demonstration") or "")) for g in pending}
+    own = group_accuracy(batch, correct=correct)
+    # The groups that have rows (first_rows: ascending), so a prompt without samples is never hinted.
+    pending = [g for g in first_rows(batch.rollout.group_index) if irt.needs_hint(own[g])]
+    words = {g: solution_words(row) for g, row in zip(pending, scaffold.group_rows(batch, pending))}
     points = {g: [(0.0, own[g])] for g in pending}  # the hint-free round: a real point at p = 0
     keys = {g: batch.rollout.prompts[g] for g in pending}
     trained, t_gen, last_acc = {}, 0.0, {}
@@ -43,7 +36,7 @@ def irt_rounds(scaffold, c, batch, correct: list[float], step) -> tuple[dict, fl
         ratios = [irt.words(irt.next_ratio(keys[g], points[g]), words[g], points[g]) / words[g] for g in pending]
         hinted = scaffold.sample_hinted(c, batch, pending, ratios, step)
         t_gen += hinted.t_generate
-        acc = group_accuracy(batch_correct(hinted, c.rewards), hinted.rollout.group_index)
+        acc = group_accuracy(hinted, c.rewards)  # hinted group k: pending[k]
         for k, (g, ratio) in enumerate(zip(pending, ratios)):
             points[g].append((ratio, acc[k]))
             trained[g], last_acc[g] = (hinted, k, ratio), acc[k]

@@ -32,6 +32,7 @@ from anabranch.algorithms.scaffold import scaffold_hint
 from anabranch.config import Config, ConfigError
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
+from anabranch.rollout.base import first_rows
 from anabranch.trainer.collect import ScoredBatch, concat_batches, generate_scored, select_groups
 from anabranch.trainer.guide_step import HintedPrompts, own_flags
 from anabranch.trainer.scaffold_irt import irt_rounds
@@ -72,10 +73,15 @@ class Scaffold:
         check_rows(c.train_rows, c.train_prompts, cfg)
         return cls(cfg, dist)
 
+    @staticmethod
+    def group_rows(batch: ScoredBatch, groups: list[int]) -> list[dict]:
+        """The dataset row of each of ``groups`` (its first sample's: a group's samples share one row)."""
+        first = first_rows(batch.rollout.group_index)
+        return [batch.rows[first[g]] for g in groups]
+
     def hinted_prompts(self, batch: ScoredBatch, groups: list[int], ratios: list[float]) -> tuple[list[str], list[dict]]:
         """The prompts of ``groups`` with the hint at each one's ratio after the question, and the groups' rows."""
-        first = {g: int((batch.rollout.group_index == g).nonzero()[0]) for g in groups}
-        rows = [batch.rows[first[g]] for g in groups]
+        rows = self.group_rows(batch, groups)
         hints = [scaffold_hint(r, ratio, self.s.hint_template) for r, ratio in zip(rows, ratios)]
         prompts = [hinted_prompt(batch.rollout.prompts[g], question_text(r), h) for g, r, h in zip(groups, rows, hints)]
         return prompts, rows

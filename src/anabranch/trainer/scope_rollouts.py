@@ -2,7 +2,7 @@
 
 Each step, after the rollouts are scored: every failed sample (the correctness reward's full credit, as
 dynamic sampling counts it) is cut into steps in the policy's own decode of its tokens and scored by the
-PRM (rewards/prm.py's split_steps, step_end_tokens and score_steps); its first step below
+PRM (rewards/prm.py's score_response_steps, as the ``prm`` reward's fields are); its first step below
 ``step_threshold`` locates the error, and the response is kept through the end of the step before it.
 Per group the ``max_per_group`` failed samples whose error comes latest are continued by the rectifier
 from their prompt ⊕ kept prefix (CURE's branch_rows, trainer/cure_rollouts.py, on an hf backend holding the
@@ -25,10 +25,11 @@ import dataclasses
 
 import torch
 
-from anabranch.algorithms.scope import first_wrong_step, prefix_length, run_problem
-from anabranch.config import Config, ConfigError
+from anabranch.algorithms.scope import first_wrong_step, prefix_length
+from anabranch.config import Config
 from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
+from anabranch.rewards.prm import score_response_steps
 from anabranch.rollout.base import Rollout, pad_id, right_padded
 from anabranch.trainer.ampo_step import take_rows
 from anabranch.trainer.collect import ScoredBatch, concat_batches, score_rollout
@@ -46,15 +47,6 @@ class ScopeStep:
 
     def precomputed(self, pre: dict) -> dict:
         return pre if self.off_tokens is None else {**pre, "scope_off_tokens": self.off_tokens}
-
-
-def step_layout(decode, ids: list[int], delimiter: str) -> tuple[list[str], list[int]]:
-    """(the step texts, each step's last response column) of one response's token ids."""
-    from anabranch.rewards.prm import split_steps, step_end_tokens
-
-    text = decode(ids)
-    spans = split_steps(text, delimiter)
-    return [text[a:b] for a, b in spans], (step_end_tokens(decode, ids, spans, text) if ids else [])
 
 
 def choose(cands: list[tuple[int, int, int, int]], max_per_group: int) -> list[tuple[int, int]]:
@@ -94,29 +86,16 @@ def off_policy_tokens(width: int, n_rows: int, placed: dict[int, tuple[int, int]
 
 def load_rectifier(cfg: Config, tokenizer, device: torch.device):
     """The frozen rectifier model (its tokenizer checked against the policy's, as KDRL's teacher)."""
-    from anabranch.models.loading import load_model, load_tokenizer
-    from anabranch.trainer.kdrl_step import check_same_vocabulary
+    from anabranch.trainer.kdrl_step import load_frozen_model
 
-    path = cfg.algorithm.scope.rectifier
-    mcfg = dataclasses.replace(cfg.model, path=path, tokenizer=None, lora=type(cfg.model.lora)(),
-                               gradient_checkpointing=False)
-    try:
-        rect_tok = load_tokenizer(mcfg)
-        model = load_model(mcfg, device, trainable=False)
-        check_same_vocabulary(tokenizer, rect_tok, model.get_output_embeddings().weight.shape[0], path)
-    except ConfigError as exc:  # the loaders name model.path, the check KDRL's key; the key set is this one
-        msg = str(exc).replace("model.path", "algorithm.scope.rectifier")
-        raise ConfigError(msg.replace("algorithm.kdrl.teacher", "algorithm.scope.rectifier")) from None
-    return model
+    return load_frozen_model(cfg, cfg.algorithm.scope.rectifier, "algorithm.scope.rectifier", tokenizer, device)
 
 
 def prm_scorer(prm_path: str, device: str):
     """score(questions, steps) -> PRM_k per step, rewards/prm.py's model and tags (its defaults)."""
-    from anabranch.rewards.prm import DEFAULTS, _load, score_steps
+    from anabranch.rewards.prm import load_prm, step_scorer
 
-    model, tok = _load(prm_path, device)
-    return lambda questions, steps: score_steps(model, tok, questions, steps, DEFAULTS["step_tag"],
-                                                DEFAULTS["good_token"], DEFAULTS["bad_token"], DEFAULTS["batch_size"])
+    return step_scorer(*load_prm(prm_path, device))
 
 
 class Scope:
@@ -132,8 +111,6 @@ class Scope:
         """None unless ``algorithm.scope.enabled``; loads the PRM and the rectifier on the policy's device."""
         if not cfg.algorithm.scope.enabled:
             return None
-        if (error := run_problem(cfg)) is not None:  # as at config load, for a Config built in code
-            raise ConfigError(error)
         from anabranch.rollout.hf_generate import HFGenerateBackend
         from anabranch.trainer.distributed import require_plain_ddp
 
@@ -148,21 +125,11 @@ class Scope:
         """The failed rows with a prefix to keep, as ``choose`` takes them, and the location counts."""
         r = batch.rollout
         decode = lambda ids: c.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        layouts = [step_layout(decode, r.response_ids[i][r.trained_mask[i].bool()].tolist(), self.s.step_delimiter)
-                   for i in failed]
-        todo = [k for k, (steps, _) in enumerate(layouts) if steps]
-        questions = []
-        for k in todo:
-            row, i = batch.rows[failed[k]], failed[k]
-            q = row.get("question") if isinstance(row, dict) else None
-            questions.append(str(q) if q is not None else r.prompts[int(r.group_index[i])])
-        scored = self.scorer(questions, [layouts[k][0] for k in todo]) if todo else []
-        scores = {k: s for k, s in zip(todo, scored)}
+        scores, ends = score_response_steps(self.scorer, decode, r, batch.rows, failed, self.s.step_delimiter)
         cands, counts = [], {"first_step_wrong": 0, "no_wrong_step": 0}
         for k, i in enumerate(failed):
-            s = scores.get(k, [])
-            wrong = first_wrong_step(s, self.s.step_threshold)
-            keep = prefix_length(layouts[k][1][:len(s)], wrong)
+            wrong = first_wrong_step(scores[k], self.s.step_threshold)
+            keep = prefix_length(ends[k], wrong)
             if wrong is None:
                 counts["no_wrong_step"] += 1
             elif wrong == 0:

@@ -19,8 +19,8 @@ Rows without a gold answer (or whose answer tokenizes to nothing) and rows witho
 term. Cost when on: Σ_rows (boundaries) extra no-grad sequences of prompt + response-prefix length; off,
 nothing is built (the loop holds None). Refused: FSDP / DeepSpeed ZeRO-3 (the probe pass runs the
 unsharded model outside the update; not tested here) and tasks whose training rows lack gold answers
-(here); tools and rollout.retry_turns >= 2 (:func:`check_spae_run`, at config load by
-config_loading.validate, again in trainer/loop.py for a Config built in code); at config resolution
+(here); tools and rollout.retry_turns >= 2 (:func:`check_spae_run`, in config_checks.check_whole_config: at
+config load and again first thing in train(), for a Config built in code); at config resolution
 (algorithms/resolve.py), the losses that read a reward back from the advantages (flowrl, fdpg, rover, brain:
 ``advantage_is_reward``) and those that never read them (reasonmaxxer, pacs: ``ignores_advantages``).
 """
@@ -39,8 +39,8 @@ from anabranch.trainer.advantage_pass import advantage_stats, rollout_forward
 
 
 def check_spae_run(cfg: Config) -> None:
-    """Whole-config combinations refused at config load (config_loading.validate) and again before any model
-    loads (trainer/loop.py, first thing: a Config built in code skips validate)."""
+    """Whole-config combinations refused at config load and again before any model loads (both by
+    config_checks.check_whole_config; train() runs it first thing, for a Config built in code)."""
     if not spae_on(cfg.algorithm):
         return
     if cfg.rollout.tools:

@@ -151,6 +151,8 @@ class SRPO:
         b, width = rollout.response_ids.shape
         distilled = torch.zeros(b, dtype=torch.bool)
         teacher_lp, weight = torch.zeros(b, width), torch.zeros(b, width)
+        idx = torch.tensor(rows, dtype=torch.long)
+        ent = m = torch.zeros(0, width)  # no distilled row on this rank
         if rows:
             pad = pad_id(self.tokenizer, self.tokenizer.eos_token_id)
             tr = teacher_rollout(rollout, rows, contexts, pad)
@@ -158,16 +160,12 @@ class SRPO:
             lp, _ = rollout_forward(model, tr, t.micro_batch_size, self.cfg.rollout.temperature,
                                     micro_batch_tokens=micro_batch_tokens, entropy_out=out)
             ent = out["entropy"]
-            idx = torch.tensor(rows, dtype=torch.long)
             distilled[idx] = True
             teacher_lp[idx] = lp
             m = trained[idx].float()  # the tokens actually distilled
-            weight[idx] = a.srpo_coef * entropy_weights(ent, m, a.srpo_entropy_weight, self.dist)
-            h_mean = float((ent * m).sum() / m.sum().clamp(min=1))
-        else:
-            h_mean = 0.0
-            if self.dist is not None and self.dist.world_size > 1:  # the other ranks' ω normalizer collectives
-                entropy_weights(torch.zeros(0, width), torch.zeros(0, width), a.srpo_entropy_weight, self.dist)
+        # Called on every rank, one without distilled rows too ([0, R]): under DDP ω's normalizer is a collective.
+        weight[idx] = a.srpo_coef * entropy_weights(ent, m, a.srpo_entropy_weight, self.dist)
+        h_mean = float((ent * m).sum() / m.sum().clamp(min=1))  # 0.0 without distilled rows
         metrics = {"srpo/distilled_frac": distilled.float().mean().item(),
                    "srpo/sibling_feedback_frac": kinds.count("sibling") / b,
                    "srpo/teacher_entropy": h_mean}

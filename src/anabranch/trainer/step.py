@@ -27,8 +27,7 @@ from anabranch.algorithms.lp_reg import lp_reg_loss
 from anabranch.algorithms.rover import response_vocab_mean
 from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.guide import behaviour_old_log_prob
-from anabranch.algorithms.ampo import ampo_objective
-from anabranch.algorithms.scope import scope_objective
+from anabranch.algorithms.off_policy_split import off_policy_inputs, shaped_objective
 from anabranch.algorithms.calibrl import calibrl_loss
 from anabranch.algorithms.alp import alp_context, alp_metrics
 from anabranch.algorithms.resolve import Algorithm
@@ -163,10 +162,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     # of the step that sampled them (trainer/rorecomp.py), which also stay out of this step's sampler correction.
     behaviour_lp, behaviour_rows = pre.get("behaviour_log_prob"), pre.get("behaviour_rows")
     stale_rows = pre.get("stale_rows")
-    # AMPO (algorithms/ampo.py, trainer/ampo_step.py): the injected teacher rows, trained with the shaped term.
-    ampo_rows = pre.get("ampo_rows")
-    # SCOPE (algorithms/scope.py, trainer/scope_rollouts.py): [B, R] the rectifier's tokens, trained with the shaped term.
-    scope_off = pre.get("scope_off_tokens")
+    # AMPO's injected teacher rows ([B], trainer/ampo_step.py) or SCOPE's rectifier tokens ([B, R],
+    # trainer/scope_rollouts.py), trained with the shaped term (algorithms/off_policy_split.py); else None.
+    off_split = off_policy_inputs(pre, cfg)
     # CalibRL (algorithms/calibrl.py, trainer/calibrl_step.py): each row's expert baseline b_t ([B, T]).
     calib_b = pre.get("calibrl_baseline")
     if kd_lp is not None:
@@ -246,14 +244,12 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     adv = er_pass.shape(adv, fo.hidden, m, mb.rows, rollout.prompt_ids.shape[1])
                 adv, metrics = shape_advantages(adv, fo.entropy, m, cfg)
                 metrics.update(mismatch)
-                if scope_off is not None:  # SCOPE: the objective on on-policy tokens, −f(π_θ)·Â on the rectifier's
-                    loss, obj_metrics = scope_objective(algo.objective, fo.log_probs, old, adv, m, ctx,
-                                                        scope_off[mb.rows], cfg.scope.shaping_gamma, agg)
-                elif ampo_rows is None:
+                if off_split is None:
                     loss, obj_metrics = algo.objective(fo.log_probs, old, adv, m, ctx)
-                else:  # AMPO: the objective on the on-policy rows, −f(π_θ)·Â on the injected teacher rows
-                    loss, obj_metrics = ampo_objective(algo.objective, fo.log_probs, old, adv, m, ctx,
-                                                       ampo_rows[mb.rows], cfg.ampo.shaping_gamma, agg)
+                else:  # AMPO / SCOPE: the objective on the on-policy tokens, −f(π_θ)·Â on the off-policy ones
+                    off, gamma, metric = off_split
+                    loss, obj_metrics = shaped_objective(algo.objective, fo.log_probs, old, adv, m, ctx, off[mb.rows],
+                                                         gamma, agg, metric)
                 metrics.update(obj_metrics)
                 for aux_loss in algo.aux_losses:
                     aux, aux_metrics = aux_loss(ctx, m)
