@@ -91,16 +91,36 @@ def test_the_check_leaves_the_callers_config_alone_and_can_run_twice():
     assert dataclasses.asdict(loaded) == before
 
 
-def test_a_warning_is_printed_once_though_the_check_runs_twice(capsys, monkeypatch):
-    import anabranch.config_checks as config_checks
+_STD_ON_ACCURACY = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_filter=std",
+                    "algorithm.dynamic_sampling_metric=accuracy"]
 
-    monkeypatch.setattr(config_checks, "_warned", set())  # as in a fresh process
-    over = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_filter=std",
-            "algorithm.dynamic_sampling_metric=accuracy"]
-    cfg = load_config(None, over)
-    check_whole_config(cfg)
+
+def _std_warnings(capsys) -> int:
     out = capsys.readouterr()
-    assert (out.out + out.err).count("dynamic_sampling_filter=std with") == 1  # at load, not again
+    return (out.out + out.err).count("dynamic_sampling_filter=std with")
+
+
+def test_a_warning_is_printed_once_though_the_check_runs_twice(capsys):
+    cfg = load_config(None, _STD_ON_ACCURACY)
+    check_whole_config(cfg)  # train() checks the loaded config again
+    assert _std_warnings(capsys) == 1  # at load, not again
+    # A code-built config (recipe not applied: the check resolves a copy) is remembered as the caller's object.
+    built = code_built(algorithm={"dynamic_sampling": True, "dynamic_sampling_filter": "std",
+                                  "dynamic_sampling_metric": "accuracy"})
+    check_whole_config(built)
+    check_whole_config(built)
+    assert _std_warnings(capsys) == 1
+
+
+def test_each_config_warns_once_whatever_ran_before(capsys):
+    # Per config, not per process: a second run in one process (eval/compare.py, a sweep) warns again, and
+    # no test depends on which one ran first.
+    first, second = load_config(None, _STD_ON_ACCURACY), load_config(None, _STD_ON_ACCURACY)
+    assert _std_warnings(capsys) == 2
+    for cfg in (first, second, first, second):
+        check_whole_config(cfg)
+    assert _std_warnings(capsys) == 0
+    assert first == second  # what the check remembers is no field: == (and asdict, config.yaml) ignore it
 
 
 def test_validate_still_imports_from_config_loading():
@@ -180,3 +200,35 @@ def test_advantage_options_are_refused_with_every_loss_that_ignores_advantages(l
     with pytest.raises(ConfigError, match=rf"algorithm\.{key}={value} with algorithm\.loss={loss}: this loss never "
                                           r"reads the advantages"):
         check_whole_config(cfg)
+
+
+@pytest.mark.parametrize("loss", ["reasonmaxxer", "oreal", "pacs"])
+@pytest.mark.parametrize("key, value, why", [
+    ("srpo_coef", 0.5, r"SRPO takes a failed sample out of the main loss by zeroing its advantage "
+                       r"\(srpo\.route_advantages\).*SRPO's routing cannot act"),
+    ("dsdr_local_coef", 0.01, r"DSDR's local entropy term is weighted by γ_i, a softmax of the diversity d_i that its "
+                              r"global scale adds to the correct rows' rewards before the advantages"),
+    ("er_shaping_coef", 0.1, r"so this option would do nothing"),
+])
+def test_the_refusal_says_why_each_advantage_option_cannot_act(loss, key, value, why):
+    # SRPO and DSDR's local term add a loss term of their own: "would do nothing" would be false for them.
+    cfg = code_built(algorithm={"name": loss, key: value})
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key}={value} with algorithm\.loss={loss}: .*{why}") as err:
+        check_whole_config(cfg)
+    assert ("would do nothing" in str(err.value)) == (key == "er_shaping_coef")
+
+
+def test_resolve_algorithm_on_its_own_refuses_an_option_of_a_method_that_is_off():
+    # The public API (benchmarks/ call it without load_config) refuses what config_checks._GATED refuses.
+    from anabranch.algorithms.resolve import resolve_algorithm
+    from anabranch.config import AlgorithmConfig
+
+    algo = AlgorithmConfig()
+    cfg = dataclasses.replace(algo, name="grpo", loss="grpo", brain_beta=algo.brain_beta * 2 + 1)
+    with pytest.raises(ConfigError, match=r"config key 'algorithm\.brain_beta' has no effect unless algorithm\.loss="
+                                          r"brain \(algorithm\.name=brain\)"):
+        resolve_algorithm(cfg)
+    with pytest.raises(ConfigError, match=r"'algorithm\.scope\.max_per_group' has no effect unless "
+                                          r"algorithm\.scope\.enabled=true"):
+        resolve_algorithm(dataclasses.replace(algo, scope=dataclasses.replace(algo.scope, max_per_group=1)))
+    resolve_algorithm(dataclasses.replace(algo, name="brain", loss="", advantage=""))  # on: resolved, no refusal

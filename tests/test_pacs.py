@@ -108,7 +108,9 @@ def test_recipe_and_needs():
     ({"tis_cap": 2.0}, r"algorithm\.tis_cap=2\.0 with algorithm\.loss=pacs"),
     ({"overlong_buffer": 2}, r"algorithm\.overlong_buffer"),
     ({"ucas": True}, r"algorithm\.ucas"),
-    ({"loss": "ppo_clip", "advantage": "grpo", "pacs_beta": 2.0}, r"pacs_beta=2\.0 has no effect"),
+    # One refusal, config_checks._GATED's (resolve.check_algorithm runs it for an AlgorithmConfig on its own).
+    ({"loss": "ppo_clip", "advantage": "grpo", "pacs_beta": 2.0},
+     r"'algorithm\.pacs_beta' has no effect unless algorithm\.loss=pacs"),
 ])
 def test_bad_settings_are_refused_at_resolution(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,5 +1,5 @@
 """Rollout.process_rewards (PRM-Clip/Delta's step rewards, reward.prm_shaping) through every row slice:
-Rollout.take and its callers (ScoredBatch.take, select_groups, AMPO's take_rows), concat_batches' padding and
+Rollout.take and its callers (ScoredBatch.take, select_groups), concat_batches' padding and
 its refusal of a mix, and DARS's merge of extra samples into their groups."""
 
 import pytest
@@ -21,8 +21,6 @@ def _with_fields(b=4, r=5):
 
 
 def test_rollout_take_and_its_callers_slice_every_per_row_field():
-    from anabranch.trainer.ampo_step import take_rows
-
     roll = _with_fields()
     out = roll.take([3, 1])
     for name in ("prompt_ids", "response_ids", "response_mask", "group_index", "truncated", "sample_log_probs",
@@ -30,10 +28,10 @@ def test_rollout_take_and_its_callers_slice_every_per_row_field():
         assert torch.equal(getattr(out, name), getattr(roll, name)[[3, 1]]), name
     assert out.completions == ["c3", "c1"] and out.prompts == roll.prompts and out.prompts is not roll.prompts
     batch = ScoredBatch(roll, [{"i": i} for i in range(4)], [0.0, 1.0, 2.0, 3.0], {"s": [0, 1, 2, 3]})
-    for picked in (batch.take([3, 1]), take_rows(batch, [3, 1])):  # DPH's buffer rows, AMPO's candidates
-        assert torch.equal(picked.rollout.attempt_correct, roll.attempt_correct[[3, 1]])
-        assert torch.equal(picked.rollout.process_rewards, roll.process_rewards[[3, 1]])
-        assert picked.rows == [{"i": 3}, {"i": 1}] and picked.total == [3.0, 1.0]
+    picked = batch.take([3, 1])  # DPH's buffer rows, AMPO's candidates, SCOPE's swapped-in rewrites
+    assert torch.equal(picked.rollout.attempt_correct, roll.attempt_correct[[3, 1]])
+    assert torch.equal(picked.rollout.process_rewards, roll.process_rewards[[3, 1]])
+    assert picked.rows == [{"i": 3}, {"i": 1}] and picked.total == [3.0, 1.0]
     sel = select_groups(batch, [1])  # group 1 = rows 2, 3, renumbered 0
     assert torch.equal(sel.rollout.process_rewards, roll.process_rewards[2:]) and sel.rollout.group_index.tolist() == [0, 0]
     assert torch.equal(sel.rollout.attempt_correct, roll.attempt_correct[2:]) and sel.rollout.prompts == ["p"]

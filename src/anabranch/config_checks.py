@@ -6,13 +6,16 @@ In order: the range checks below, the options set while their method is off (``_
 section's own checks (``algorithms/resolve.check_algorithm``: registry names and ``check_ranges``, which
 before ran only when train() resolved the algorithm), then each method's whole-config check from the
 declarative ``_METHOD_CHECKS`` table, imported only when its method is on so that heavy modules stay
-unimported on the default path."""
+unimported on the default path. ``check_algorithm`` also runs ``_GATED``'s algorithm entries itself, so that
+``resolve_algorithm`` called on an AlgorithmConfig alone refuses the same options. Warnings are printed once per
+config object (a loaded config checked again by train() does not repeat them; another config does)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import re
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 from anabranch.config import Config, ConfigError
@@ -20,6 +23,7 @@ from anabranch.config import Config, ConfigError
 
 def check_whole_config(cfg: Config) -> None:
     """Refuse, before any model loads, every setting or combination that cannot work."""
+    caller = cfg  # the object the warnings are remembered on (_first_time), not the resolved copy below
     if not (cfg.algorithm.advantage and cfg.algorithm.loss):
         # A Config built in code may name only the recipe (algorithm.name): check what will run, as
         # resolve_algorithm does, without changing the caller's config.
@@ -40,11 +44,22 @@ def check_whole_config(cfg: Config) -> None:
             if isinstance(error, str):  # the checks raise, or return the refusal's text (or None, or a value)
                 raise ConfigError(error)
     for on, warning in _WARNINGS:
-        if on(cfg) and (text := warning(cfg)) is not None and text not in _warned:
-            _warned.add(text)  # once per process: a loaded config is checked again by train()
+        if on(cfg) and (text := warning(cfg)) is not None and _first_time(caller, text):
             from anabranch.rewards.guard import warn
 
             warn(text)
+
+
+def _first_time(cfg: Config, text: str) -> bool:
+    """True the first time ``text`` is warned about for this config object: a loaded config is checked again by
+    train(), which must not repeat the load's warning, but another config in the same process (eval/compare.py's
+    runs, a sweep) warns again. The texts live on the object itself (not a dataclass field: asdict, the saved
+    config.yaml and == ignore it), so nothing is kept after the config is gone and an id is never reused."""
+    seen = vars(cfg).setdefault(_WARNED_ATTR, set())
+    if text in seen:
+        return False
+    seen.add(text)
+    return True
 
 
 def _range_checks(cfg: Config) -> list:
@@ -229,10 +244,21 @@ _GATED = [
 ]
 
 
-def _refuse_inactive(cfg: Config) -> None:
+def _refuse_inactive(cfg: Config, only: str = "") -> None:
+    """ConfigError for the first ``_GATED`` option set while its method is off; ``only``: just the entries whose
+    section starts with it."""
     for section, keys, active, turn_on in _GATED:
-        if not active(cfg) and (error := section_knob_error(_get(cfg, section), section, turn_on, keys)) is not None:
+        if not section.startswith(only) or active(cfg):
+            continue
+        if (error := section_knob_error(_get(cfg, section), section, turn_on, keys)) is not None:
             raise ConfigError(error)
+
+
+def refuse_inactive_algorithm_keys(algorithm) -> None:
+    """``_GATED``'s algorithm entries for an AlgorithmConfig on its own: resolve.check_algorithm runs them, so that
+    ``resolve_algorithm`` called directly (the public API, benchmarks/) refuses what load_config refuses. Those
+    entries read only ``c.algorithm``; a stand-in with nothing else makes one that reads more fail loudly."""
+    _refuse_inactive(SimpleNamespace(algorithm=algorithm), only="algorithm")
 
 
 def section_knob_error(obj, prefix: str, turn_on: str, keys=None) -> str | None:
@@ -347,4 +373,4 @@ _WARNINGS = (
      _std_on_accuracy),
     (lambda c: c.rollout.temperature_schedule == "ead", _ead_warning),
 )
-_warned: set[str] = set()
+_WARNED_ATTR = "_config_checks_warned"  # the texts already warned about for one Config object (_first_time)

@@ -57,9 +57,7 @@ def check_etr(cfg) -> str | None:
         value = getattr(cfg, key)
         if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
             return f"algorithm.{key} must be a finite number >= 0 (0 turns that part of ETR's scaling off; got {value!r})"
-        if cfg.loss != NAME and value != _DEFAULTS[key]:
-            return (f"algorithm.{key}={value} has no effect with algorithm.loss={cfg.loss!r}; set algorithm.name={NAME} "
-                    f"(or algorithm.loss={NAME}) or leave it at {_DEFAULTS[key]}")
+        # Set while loss != etr: config_checks._GATED (run first by resolve.check_algorithm).
     if cfg.loss == NAME and cfg.clip_ratio_c > 0:
         return (f"algorithm.clip_ratio_c={cfg.clip_ratio_c} (dual-clip) is not part of loss={NAME}; leave it at 0 "
                 "(ETR's elastic bounds replace the fixed clip range)")

@@ -27,7 +27,7 @@ the definitions only): the ratio is to π_old (the policy that sampled the batch
 reference model, which PACS therefore never loads), summed over the response tokens (not
 length-normalized), β = 1 (their scripts: 1 and 2), class-balanced weights on, the BCE averaged
 over sequences whatever ``loss_agg_mode`` says. The advantages the estimator computes are not read:
-options that reshape them are refused. Rewards must lie in [0, 1] (the label of a cross-entropy).
+options that reshape them are refused (resolve.check_ranges). Rewards must lie in [0, 1] (the label of a cross-entropy).
 """
 
 from __future__ import annotations
@@ -40,33 +40,26 @@ import torch.nn.functional as F
 from anabranch.algorithms.registries import OBJECTIVES, RECIPES
 
 NAME = "pacs"
-_DEFAULTS = {"pacs_beta": 1.0, "pacs_class_balance": True}
-# Options that reshape the advantages PACS never reads (its label is the reward, its score the log-ratio).
-_ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha", lambda c: c.entropy_adv_alpha > 0),
-                      ("entropy_top_rho", lambda c: c.entropy_top_rho < 1), ("ucas", lambda c: bool(c.ucas)),
-                      ("progrpo_alpha", lambda c: c.progrpo_alpha > 0), ("lp_reg_coef", lambda c: c.lp_reg_coef > 0),
-                      # DAPO's overlong punishment makes rewards negative: no longer a label in [0, 1].
-                      ("overlong_buffer", lambda c: c.overlong_buffer > 0))
+# What PACS refuses beyond the options every loss that ignores the advantages refuses (registries.ADVANTAGE_OPTIONS,
+# resolve.check_ranges): DAPO's overlong punishment makes rewards negative, no longer a label in [0, 1].
+_LABEL_BREAKING_OPTIONS = (("overlong_buffer", lambda c: c.overlong_buffer > 0),)
 
 
 def check_pacs(cfg) -> str | None:
-    """``algorithm.pacs_beta`` > 0 and finite; PACS keys only with loss=pacs; no advantage reshaping with it."""
+    """``algorithm.pacs_beta`` > 0 and finite; no option that breaks its label (the advantage options are
+    refused for every loss that ignores them, in resolve.check_ranges)."""
     beta = cfg.pacs_beta
     if not (isinstance(beta, (int, float)) and 0 < beta < math.inf):
         return f"algorithm.pacs_beta must be a positive finite number, PACS's scale β of the score (got {beta!r})"
     if not isinstance(cfg.pacs_class_balance, bool):
         return f"algorithm.pacs_class_balance must be true or false (got {cfg.pacs_class_balance!r})"
-    if cfg.loss != NAME:
-        for key, default in _DEFAULTS.items():
-            if getattr(cfg, key) != default:
-                return (f"algorithm.{key}={getattr(cfg, key)} has no effect with algorithm.loss={cfg.loss!r}; set "
-                        f"algorithm.name={NAME} (or algorithm.loss={NAME}) or leave it at {default}")
+    if cfg.loss != NAME:  # its keys set while off: config_checks._GATED (run first by resolve.check_algorithm)
         return None
-    for key, on in _ADVANTAGE_OPTIONS:
+    for key, on in _LABEL_BREAKING_OPTIONS:
         if on(cfg):
-            return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: PACS never reads the advantages "
-                    f"(its label is the reward in [0, 1], its score the policy's log-ratio), so this option would do "
-                    f"nothing or break the label; leave algorithm.{key} at its default")
+            return (f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={NAME}: PACS's label is the reward in "
+                    f"[0, 1] (its score the policy's log-ratio), and this option would break the label; leave "
+                    f"algorithm.{key} at its default")
     return None
 
 

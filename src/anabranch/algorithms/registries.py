@@ -14,7 +14,8 @@
   quantities, e.g. ReasonMaxxer's gate and labels, that must not depend on the micro-batch split).
   ``ignores_advantages=True``: the objective never reads its ``advantages`` argument (its labels come from
   the rewards: ReasonMaxxer, PACS, OREAL), so options that only change the advantages (SPAE, TRLOO,
-  :data:`ADVANTAGE_OPTIONS`) are refused with it (resolve.check_ranges).
+  :data:`ADVANTAGE_OPTIONS`) are refused with it (resolve.check_ranges; SRPO and DSDR's local term, which add
+  a term of their own, with the reason in :data:`ADVANTAGE_OPTION_REASONS`).
   Registered with ``group=True`` when it compares the samples of a prompt (needs rollout.n >= 2),
   ``needs=(...)``, ``modules={...}`` (extra heads) and ``aux_loss=fn`` (e.g. a critic loss).
 - ``RECIPES[name] -> dict`` of :class:`~anabranch.config.AlgorithmConfig` defaults
@@ -28,7 +29,8 @@ OBJECTIVES: Registry = Registry("objective")
 RECIPES: Registry = Registry("algorithm recipe")
 
 # Options that only reshape the advantages (or route rows by them): refused with an objective registered
-# ``ignores_advantages=True``, where they would do nothing. (key, whether it is set: AlgorithmConfig -> bool).
+# ``ignores_advantages=True``, where most would do nothing. (key, whether it is set: AlgorithmConfig -> bool).
+# The two that add a loss term of their own are refused for the reason in ADVANTAGE_OPTION_REASONS instead.
 ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha", lambda c: c.entropy_adv_alpha > 0),
                      ("entropy_top_rho", lambda c: c.entropy_top_rho < 1), ("ucas", lambda c: bool(c.ucas)),
                      ("progrpo_alpha", lambda c: c.progrpo_alpha > 0), ("lp_reg_coef", lambda c: c.lp_reg_coef > 0),
@@ -36,3 +38,17 @@ ADVANTAGE_OPTIONS = (("tis_cap", lambda c: c.tis_cap > 0), ("entropy_adv_alpha",
                      ("position_shaping_coef", lambda c: c.position_shaping_coef > 0),
                      ("er_shaping_coef", lambda c: c.er_shaping_coef > 0), ("srpo_coef", lambda c: c.srpo_coef > 0),
                      ("dsdr_local_coef", lambda c: c.dsdr_local_coef > 0))
+# Why an option that does act is still refused with such a loss (the rest of the sentence after "this loss never
+# reads the advantages (it computes its labels from the rewards itself)"): the part of the method that makes its
+# extra term right lives in the advantages.
+ADVANTAGE_OPTION_REASONS = {
+    # trainer/srpo_step.py: SRPOStep.advantages -> srpo.route_advantages zeroes the distilled rows' advantages.
+    "srpo_coef": ("but SRPO takes a failed sample out of the main loss by zeroing its advantage "
+                  "(srpo.route_advantages) before adding the self-distillation term; here the failed samples would "
+                  "keep this loss's own term and get the distillation on top, so SRPO's routing cannot act"),
+    # algorithms/dsdr.py: apply_dsdr's γ_i couples the local entropy term to the global bonus's diversity d_i.
+    "dsdr_local_coef": ("but DSDR's local entropy term is weighted by γ_i, a softmax of the diversity d_i that its "
+                        "global scale adds to the correct rows' rewards before the advantages, to regularize a "
+                        "policy gradient over those rows; here it would only raise the entropy of the correct rows "
+                        "this loss fits to its own labels, a combination DSDR does not describe"),
+}

@@ -11,7 +11,8 @@ from anabranch.algorithms.alp import alp_modules, alp_needs, check_alp
 from anabranch.algorithms.er_shaping import build_er_shaping, check_er_shaping
 from anabranch.algorithms.kdrl import kdrl_on
 from anabranch.algorithms.kl import ESTIMATORS
-from anabranch.algorithms.registries import ADVANTAGE_OPTIONS, ADVANTAGES, OBJECTIVES, RECIPES
+from anabranch.algorithms.registries import (ADVANTAGE_OPTION_REASONS, ADVANTAGE_OPTIONS, ADVANTAGES, OBJECTIVES,
+                                             RECIPES)
 from anabranch.algorithms.siren import build_siren, check_siren
 from anabranch.algorithms.epo import build_epo, check_epo
 from anabranch.algorithms.trloo import trloo_inputs
@@ -139,6 +140,11 @@ def check_algorithm(cfg: AlgorithmConfig) -> None:
     """Every check of the algorithm section alone (its recipe applied): the registered names, then the
     ranges and refused combinations. Run at config load and at train() start (config_checks.check_whole_config)
     and again by resolve_algorithm, for an AlgorithmConfig resolved on its own."""
+    # The algorithm options set while their method is off (config_checks._GATED), for a resolve_algorithm
+    # called directly; imported here: config_checks imports this module.
+    from anabranch.config_checks import refuse_inactive_algorithm_keys
+
+    refuse_inactive_algorithm_keys(cfg)
     _check_name(cfg)
     for key, registry in (("advantage", ADVANTAGES), ("loss", OBJECTIVES)):
         name = getattr(cfg, key)
@@ -288,13 +294,15 @@ def check_ranges(cfg: AlgorithmConfig) -> None:
     if error:
         raise ConfigError(error)
     # The options that only reshape advantages do nothing with an objective that never reads them (ReasonMaxxer,
-    # PACS, OREAL: labels from the rewards); PACS's own check (above) names its label first.
+    # PACS, OREAL: labels from the rewards); SRPO and DSDR's local term act but need the advantages (their reason
+    # in ADVANTAGE_OPTION_REASONS). PACS's own check (above) names its label first.
     if OBJECTIVES.meta(cfg.loss).get("ignores_advantages"):
         for key, on in ADVANTAGE_OPTIONS:
             if on(cfg):
+                why = ADVANTAGE_OPTION_REASONS.get(key, "so this option would do nothing")
                 raise ConfigError(f"algorithm.{key}={getattr(cfg, key)!r} with algorithm.loss={cfg.loss}: this loss "
-                                  "never reads the advantages (it computes its labels from the rewards itself), so "
-                                  f"this option would do nothing; leave algorithm.{key} at its default")
+                                  f"never reads the advantages (it computes its labels from the rewards itself), {why}; "
+                                  f"leave algorithm.{key} at its default")
 
     # ALP's noise scales (algorithms/alp.py): its keys' ranges and a loss with a ratio to perturb.
     check_alp(cfg)

@@ -49,14 +49,15 @@ def run_compare(algorithms: list[str], config_file: str | None, overrides: list[
     base = load_config(config_file, overrides)  # fail on a bad key before any training
     name = base.trainer.run_name or f"compare-{base.task.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     root = Path(base.trainer.output_dir) / name
-    configs = [load_config(config_file, list(overrides) + [
-        f"algorithm.name={algo}", f"trainer.output_dir={root}", f"trainer.run_name={algo}"])
-        for algo in algorithms]
-    for algo, cfg in zip(algorithms, configs):  # every combination checked before hours of training
+    configs = []
+    for algo in algorithms:  # every combination checked (load_config runs the whole-config check) before training
         try:
+            cfg = load_config(config_file, list(overrides) + [
+                f"algorithm.name={algo}", f"trainer.output_dir={root}", f"trainer.run_name={algo}"])
             resolve_algorithm(cfg.algorithm)
         except ConfigError as exc:
             raise ConfigError(f"--algorithms {algo}: {exc}") from None
+        configs.append(cfg)
     run_dirs, failed = [], {}
     for algo, cfg in zip(algorithms, configs):
         print(f"== {algo} ==")

@@ -93,12 +93,6 @@ def candidate_rollout(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Te
                    prompts=[prompt], completions=list(texts), truncated=torch.tensor(truncated, dtype=torch.bool))
 
 
-def take_rows(batch: ScoredBatch, keep: list[int]) -> ScoredBatch:
-    """:meth:`ScoredBatch.take`, under the name trainer/scope_rollouts.py still imports; remove once it calls
-    ``batch.take`` itself."""
-    return batch.take(keep)
-
-
 class AMPO:
     """What the loop holds for AMPO; :meth:`step` acts on each scored batch."""
 

@@ -100,7 +100,8 @@ def check_curation(t: TaskConfig) -> None:
 
 
 def check_curation_config(cfg: Config) -> None:
-    """The cross-section refusals (before any model loads, and again in ``create``)."""
+    """The cross-section refusals, before any model loads: at config load and again first thing in train()
+    (config_checks._METHOD_CHECKS runs it while task.curation is on)."""
     if cfg.task.curation == "greedy_wrong" and cfg.distributed.num_processes > 1:
         raise ConfigError(ONE_PROCESS.format(n=cfg.distributed.num_processes))
     d = cfg.algorithm.dph

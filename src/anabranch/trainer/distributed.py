@@ -19,6 +19,7 @@ checkpoints. A single process without mixed precision never creates an ``Acceler
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -330,12 +331,33 @@ class Distributed:
         return {**metrics, **{k: metrics[k] * w for k in keys}}
 
     def mean_metrics(self, metrics: dict) -> dict:
-        """All-reduce mean of scalar metrics (same keys on every rank)."""
+        """Mean over the ranks of scalar metrics, each key averaged over the ranks that logged it.
+
+        Ranks may log different keys: a metric that exists only when something happened on that rank
+        (no response token in the mismatch mask, all rows replayed, a method's salvage counts). One
+        all-reduce of the sorted values would then hang on different lengths, or, worse, silently sum
+        one rank's ``a`` into another's ``b``. So the ranks first compare a digest of their sorted key
+        tuple (one 2-scalar collective): equal everywhere, and the values are summed and divided by W
+        exactly as before; otherwise they gather their key tuples, and each contributes (value, 1) for
+        its keys and (0, 0) for the union's others in one sum. A key's mean is then over the ranks
+        that have it, not over W: a metric absent on a rank was not measured there, it is not a zero.
+        (Such a mean weighs the ranks that have the key equally; the ``share_r`` token weights of the
+        module docstring are exact only for keys every rank logs, as the policy metrics are.)"""
         if self.world_size == 1:
             return metrics
         keys = sorted(metrics)
-        vals = self.all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
-        return {k: (v / self.world_size).item() for k, v in zip(keys, vals)}
+        digest = torch.tensor(float(_key_digest(keys)), dtype=torch.float64)
+        lo, hi = self.all_reduce_extrema(digest, digest)
+        if lo.item() == hi.item():  # the same keys on every rank (up to a 2^-48 digest collision)
+            vals = self.all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+            return {k: (v / self.world_size).item() for k, v in zip(keys, vals)}
+        union = sorted(set().union(*self.gather_objects(tuple(keys))))
+        mine = [k in metrics for k in union]
+        local = torch.tensor([float(metrics[k]) if has else 0.0 for k, has in zip(union, mine)]
+                             + [float(has) for has in mine], dtype=torch.float64)
+        total = self.all_reduce_sum(local)
+        sums, counts = total[:len(union)], total[len(union):]
+        return {k: (s / c).item() for k, s, c in zip(union, sums, counts)}
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` (one shape on all ranks), concatenated along dim 0 in rank order, on the CPU."""
@@ -399,6 +421,12 @@ class Distributed:
     def _sync_extra_params(self) -> None:
         for p in self.extra_params:
             torch.distributed.broadcast(p.data, src=0)
+
+
+def _key_digest(keys: list[str]) -> int:
+    """A 48-bit digest of the sorted metric keys, exact as a float64 and the same in every process
+    (Python's ``hash`` of a string is salted per process)."""
+    return int.from_bytes(hashlib.blake2b("\0".join(keys).encode(), digest_size=6).digest(), "big")
 
 
 class NullRunDir:

@@ -31,7 +31,6 @@ from anabranch.eval.accuracy import batch_correct
 from anabranch.rewards.compose import discard_reward_observations
 from anabranch.rewards.prm import score_response_steps
 from anabranch.rollout.base import Rollout, pad_id, right_padded
-from anabranch.trainer.ampo_step import take_rows
 from anabranch.trainer.collect import ScoredBatch, concat_batches, score_rollout
 from anabranch.trainer.cure_rollouts import branch_rows
 
@@ -183,7 +182,7 @@ class Scope:
         n = len(batch.rows)
         swap = {rows[j]: n + j for j in salvaged}
         both = concat_batches([batch, scored])
-        out = take_rows(both, [swap.get(i, i) for i in range(n)])
+        out = both.take([swap.get(i, i) for i in range(n)])
         out.rollout.group_index = batch.rollout.group_index.clone()
         out.rollout.prompts = list(batch.rollout.prompts)
         out.rollout.metrics = dict(batch.rollout.metrics)
