@@ -56,6 +56,7 @@ import math
 import torch
 
 from anabranch.algorithms.off_policy_split import AMPO_SHAPED, off_policy_rows_problem, shaped_objective
+from anabranch.range_checks import first_failed
 
 # Objectives whose per-row loss can leave the injected rows out (their mask), beside the shaped term.
 AMPO_LOSSES = ("ppo_clip", "cispo", "gspo")
@@ -107,9 +108,8 @@ def check_ampo(cfg) -> str | None:
          and math.isfinite(a.shaping_gamma) and a.shaping_gamma > 0, "shaping_gamma",
          "must be a finite number > 0 (γ of the policy shaping f(p) = p / (p + γ))"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.ampo.{key} {why} (got {getattr(a, key)!r})"
+    if (error := first_failed(checks, "algorithm.ampo", a)) is not None:
+        return error
     if not a.enabled:
         return None
     if cfg.loss not in AMPO_LOSSES:

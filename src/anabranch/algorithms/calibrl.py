@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from anabranch.algorithms.aggregation import masked_mean
+from anabranch.range_checks import first_failed
 
 BASELINES = ("token", "mean")
 
@@ -115,9 +116,8 @@ def check_calibrl(cfg) -> str | None:
         (isinstance(c.max_demonstration_tokens, int) and not isinstance(c.max_demonstration_tokens, bool)
          and c.max_demonstration_tokens >= 0, "max_demonstration_tokens", "must be an integer >= 0 (0: no limit)"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.calibrl.{key} {why} (got {getattr(c, key)!r})"
+    if (error := first_failed(checks, "algorithm.calibrl", c)) is not None:
+        return error
     if not c.enabled:
         return None
     meta = OBJECTIVES.meta(cfg.loss)

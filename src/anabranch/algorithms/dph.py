@@ -33,6 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from anabranch.range_checks import first_failed
+
 DIVERGENCES = ("forward_kl", "js")
 LOG_RATIO_CLAMP = 20.0
 
@@ -79,7 +81,6 @@ def check_dph(cfg) -> str | None:
         (1 <= cfg.keep_per_prompt <= max(cfg.buffer_n, 1), "keep_per_prompt",
          f"must be in [1, algorithm.dph.buffer_n={cfg.buffer_n}]"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.dph.{key} {why} (got {getattr(cfg, key)!r})"
+    if (error := first_failed(checks, "algorithm.dph", cfg)) is not None:
+        return error
     return None

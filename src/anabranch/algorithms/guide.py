@@ -41,6 +41,8 @@ import re
 
 import torch
 
+from anabranch.range_checks import first_failed
+
 # Objectives whose gradient goes through the ratio π_θ / π_old, where the corrected π_old acts.
 GUIDE_LOSSES = ("ppo_clip", "cispo", "gspo")
 HINT_SEPARATOR = "\n\n"
@@ -112,9 +114,8 @@ def check_guide(cfg) -> str | None:
         (isinstance(g.num_samples, int) and not isinstance(g.num_samples, bool) and g.num_samples >= 0,
          "num_samples", "must be an integer >= 0 (guided samples per failed prompt; 0: rollout.n)"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.guide.{key} {why} (got {getattr(g, key)!r})"
+    if (error := first_failed(checks, "algorithm.guide", g)) is not None:
+        return error
     if not g.enabled:
         return None
     if cfg.loss not in GUIDE_LOSSES:

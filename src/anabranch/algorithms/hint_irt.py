@@ -51,6 +51,8 @@ import math
 
 import numpy as np
 
+from anabranch.range_checks import first_failed
+
 # Box of the 3PL parameters (k, μ, b): assumed, see the module docstring.
 LOWER = np.array([0.1, -1.0, 0.0])
 UPPER = np.array([50.0, 0.0, 0.99])
@@ -217,9 +219,8 @@ def check_irt(s) -> str | None:
         (isinstance(s.irt_initial_ratio, num) and not isinstance(s.irt_initial_ratio, bool)
          and 0 < s.irt_initial_ratio <= 1, "irt_initial_ratio", "must be a hint ratio in (0, 1]"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.scaffold.{key} {why} (got {getattr(s, key)!r})"
+    if (error := first_failed(checks, "algorithm.scaffold", s)) is not None:
+        return error
     from anabranch.config_checks import section_knob_error
 
     if s.schedule == "irt":

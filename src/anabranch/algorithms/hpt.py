@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from anabranch.range_checks import first_failed
+
 
 def group_accuracy(correct: torch.Tensor, group_index: torch.Tensor) -> dict[int, float]:
     """P per group: the mean of ``correct`` ([B] 0/1) over each group's rows, keyed by group number."""
@@ -96,7 +98,6 @@ def check_hpt(cfg) -> str | None:
         (isinstance(cfg.max_demonstration_tokens, int) and cfg.max_demonstration_tokens >= 0,
          "max_demonstration_tokens", "must be an integer >= 0 (0: no limit)"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.hpt.{key} {why} (got {getattr(cfg, key)!r})"
+    if (error := first_failed(checks, "algorithm.hpt", cfg)) is not None:
+        return error
     return None

@@ -46,6 +46,7 @@ import torch
 
 from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import ESTIMATORS, kl_penalty
+from anabranch.range_checks import first_failed
 
 SCHEDULES = ("constant", "linear")
 MASKS = ("none", "response", "group")
@@ -69,9 +70,8 @@ def check_kdrl(k) -> str | None:
         (k.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}"),
         (k.mask in MASKS, "mask", f"must be one of {MASKS}"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.kdrl.{key} {why} (got {getattr(k, key)!r})"
+    if (error := first_failed(checks, "algorithm.kdrl", k)) is not None:
+        return error
     if not k.teacher:
         # Options of a KD term without a teacher would silently do nothing.
         changed = [f.name for f in dataclasses.fields(k) if getattr(k, f.name) != f.default]

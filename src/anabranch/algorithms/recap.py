@@ -54,6 +54,8 @@ from collections import deque
 
 import torch
 
+from anabranch.range_checks import first_failed
+
 OBJECTIVES = ("rl", "replay")  # fixed order: λ's entries and the logged keys
 EPS = 1e-8
 
@@ -132,9 +134,8 @@ def check_recap(cfg) -> str | None:
         (isinstance(cfg.max_replay_tokens, int) and not isinstance(cfg.max_replay_tokens, bool)
          and cfg.max_replay_tokens >= 0, "max_replay_tokens", "must be an integer >= 0 (0: no limit)"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.recap.{key} {why} (got {getattr(cfg, key)!r})"
+    if (error := first_failed(checks, "algorithm.recap", cfg)) is not None:
+        return error
     if not cfg.enabled:  # its knobs set while it is off: refused by config_checks._GATED
         return None
     if not cfg.replay_task:

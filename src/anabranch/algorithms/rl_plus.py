@@ -45,6 +45,8 @@ import math
 
 import torch
 
+from anabranch.range_checks import first_failed
+
 
 def mis_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
               omega_prob: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,7 +95,6 @@ def check_rl_plus(cfg) -> str | None:
         (isinstance(cfg.max_demonstration_tokens, int) and not isinstance(cfg.max_demonstration_tokens, bool)
          and cfg.max_demonstration_tokens >= 0, "max_demonstration_tokens", "must be an integer >= 0 (0: no limit)"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.rl_plus.{key} {why} (got {getattr(cfg, key)!r})"
+    if (error := first_failed(checks, "algorithm.rl_plus", cfg)) is not None:
+        return error
     return None

@@ -47,6 +47,8 @@ from __future__ import annotations
 import math
 import re
 
+from anabranch.range_checks import first_failed
+
 _WORD = re.compile(r"\S+")
 
 
@@ -95,9 +97,8 @@ def check_scaffold(cfg) -> str | None:
         (isinstance(s.hint_template, str) and "{prefix}" in s.hint_template, "hint_template",
          "must be a text containing {prefix}, where the solution's prefix goes"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.scaffold.{key} {why} (got {getattr(s, key)!r})"
+    if (error := first_failed(checks, "algorithm.scaffold", s)) is not None:
+        return error
     if not s.enabled:
         return None
     from anabranch.algorithms.hint_irt import check_irt  # SEELE's IRT hint length (schedule=irt)

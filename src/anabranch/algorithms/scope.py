@@ -45,6 +45,7 @@ import math
 import torch
 
 from anabranch.algorithms.off_policy_split import SCOPE_SHAPED, off_policy_rows_problem, shaped_objective
+from anabranch.range_checks import first_failed
 
 # Token-level ratio losses: the rectified row's prefix takes the run's objective token by token, its
 # continuation the shaped term; a sequence-level ratio (GSPO) would mix the two inside one weight.
@@ -95,9 +96,8 @@ def check_scope(cfg) -> str | None:
          and math.isfinite(s.shaping_gamma) and s.shaping_gamma > 0, "shaping_gamma",
          "must be a finite number > 0 (γ of the policy shaping f(p) = p / (p + γ))"),
     ]
-    for ok, key, why in checks:
-        if not ok:
-            return f"algorithm.scope.{key} {why} (got {getattr(s, key)!r})"
+    if (error := first_failed(checks, "algorithm.scope", s)) is not None:
+        return error
     if not s.enabled:
         return None
     if not s.prm_path or not s.rectifier:
