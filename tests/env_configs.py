@@ -1,12 +1,16 @@
 """Config overrides the tests load from dicts: the number_guess environment's base and the dict-to-override
 conversion (``{"rollout.n": 4, "reward.functions": [...]}`` → ``["rollout.n=4", 'reward.functions=[...]']``); the
-short number_guess trainer runs' overrides and their scripted guessing policy; a scripted backend for episodes."""
+short number_guess trainer runs' overrides and their scripted guessing policy; ``Scripted`` (tests/scripted_backend.py:
+an episode's k-th action after k user messages) re-exported for the environment tests that import it from here."""
 
 from __future__ import annotations
 
 import json
 
+import scripted_backend
 from anabranch import load_config
+
+Scripted = scripted_backend.Scripted  # re-exported: the environment tests import it from here
 
 # number_guess episodes scored by the environment: its return is the reward, its solved flag only logged.
 ENV_BASE = {"task.name": "number_guess", "rollout.environment": "number_guess",
@@ -50,30 +54,3 @@ def scripted_guesses(monkeypatch) -> None:
                                                                               greedy, seed)]
 
     monkeypatch.setattr(HFGenerateBackend, "continue_ids", guess)
-
-
-class Scripted:
-    """A backend whose k-th action in the episode of prompt p (k = user turns so far) is ``script[p][k]`` (its last
-    action once past the end), tokenized with ``tok`` (default: the tiny char tokenizer) and cut to the call's
-    budget, each token at log-prob -0.5; ``calls``: each call's number of sequences."""
-
-    def __init__(self, script, tok=None):
-        if tok is None:
-            from anabranch.models.tiny import char_tokenizer
-
-            tok = char_tokenizer()
-        self.script, self.tok, self.eos_ids, self.calls = script, tok, [tok.eos_token_id], []
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        self.calls.append(len(seqs))
-        out = []
-        for s, budget in zip(seqs, max_new):
-            text = self.tok.decode(s, skip_special_tokens=False)
-            acts = self.script[next(p for p in self.script if text.startswith(p))]
-            turn = min(text.count("<|im_start|>user"), len(acts) - 1)
-            ids = self.tok(acts[turn], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, [-0.5] * len(ids)))
-        return out
-
-    def sync_weights(self, model):
-        pass

@@ -328,3 +328,51 @@ def test_two_ranks_train_the_one_process_head(tmp_path):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)  # the mean BCE over both ranks' rows
         for k, v in single.head.state_dict().items():
             assert torch.allclose(got["head"][k], v, atol=1e-6), k
+
+
+# ----------------------------------------------------------------------------- DDP: the probe's weighted head step
+
+# Per-row importance weights of the two toy rounds (1: a survivor, m/k_p: a probed row): rank 0's rows of round 1
+# weigh 3 in all, rank 1's 11, so a per-rank Σw (or a plain row count) in the division would give another step.
+PROBE_WEIGHTS = [torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0]),
+                 torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])]
+
+
+def _ddp_probe_worker(rank: int, world: int, port: int, out: str) -> None:
+    from two_process import join_gloo
+
+    join_gloo(rank, world, port)
+
+    def all_reduce_sum(t):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t
+
+    state = ARRoL(arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2",
+                            "rollout.arrol.head_probe=0.5"), FakeModel(4),
+                  SimpleNamespace(world_size=world, all_reduce_sum=all_reduce_sum))
+    losses = []
+    for (h, y, cut), w in zip(toy_rounds(), PROBE_WEIGHTS):
+        mine = slice(0, cut) if rank == 0 else slice(cut, None)
+        losses.append(state.train_head(h[mine], y[mine], w[mine]))
+    torch.save({"head": state.head.state_dict(), "losses": losses}, Path(out) / f"probe{rank}.pt")
+
+
+def test_two_ranks_take_the_one_process_importance_weighted_head_step(tmp_path):
+    # docs/distributed.md: with head_probe, Σ w·BCE and Σ w take the place of the BCE sum and the row count in the
+    # head's all-reduce, so the two ranks' step is the one-process step on the union of their rows
+    from two_process import spawn_two
+
+    spawn_two(_ddp_probe_worker, str(tmp_path))
+    cfg = arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2", "rollout.arrol.head_probe=0.5")
+    single, plain = ARRoL(cfg, FakeModel(4)), ARRoL(cfg, FakeModel(4))
+    losses = [single.train_head(h, y, w) for (h, y, _), w in zip(toy_rounds(), PROBE_WEIGHTS)]
+    for h, y, _ in toy_rounds():
+        plain.train_head(h, y)
+    # the weights matter: the unweighted step ends elsewhere
+    unweighted = plain.head.state_dict()
+    assert any(not torch.allclose(unweighted[k], v, atol=1e-4) for k, v in single.head.state_dict().items())
+    for r in range(2):
+        got = torch.load(tmp_path / f"probe{r}.pt", weights_only=False)
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)  # Σ w·BCE / Σ w over both ranks' rows
+        for k, v in single.head.state_dict().items():
+            assert torch.allclose(got["head"][k], v, atol=1e-6), k

@@ -13,9 +13,9 @@ from anabranch.models.loading import load_model
 from anabranch.models.tiny import char_tokenizer
 from anabranch.rollout.async_turns import AsyncTurnLoop
 from anabranch.rollout.multi_turn import NO_CALLS_LEFT, ToolPool, TurnState, result_text, with_tools
+from scripted_backend import TOOL_RESULT, Scripted
 
 TOK = char_tokenizer()
-EOS = TOK.eos_token_id
 SLOW_RELEASED = threading.Event()  # the slow call returns once this is set (or after its wait runs out)
 SLOW_WAITED: list = []             # what each slow call's wait returned: True when released, False on time-out
 
@@ -33,36 +33,9 @@ def nap(text: str) -> str:
     return "f"
 
 
-class Scripted:
-    """A backend whose next turn for a row of prompt p is ``scripts[p][k]`` after k tool results; every call logs
-    its rows' prompts (which rows shared a generation call) and ``on_call`` sees the log."""
-
-    def __init__(self, scripts, on_call=None):
-        self.scripts, self.eos_ids, self.log, self.on_call, self.seeds = scripts, [EOS], [], on_call, []
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        out, rows = [], []
-        self.seeds.append(seed)
-        for s, budget in zip(seqs, max_new):
-            text = TOK.decode(s, skip_special_tokens=False)
-            prompt = next(p for p in self.scripts if text.startswith(p))
-            k = text.count("<result>")
-            rows.append((prompt, k))
-            script = self.scripts[prompt]
-            ids = TOK(script[min(k, len(script) - 1)], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, [-0.25] * len(ids)))
-        self.log.append(rows)
-        if self.on_call is not None:
-            self.on_call(self.log)
-        return out
-
-    def sync_weights(self, model):
-        pass
-
-
 def _backend(scripts, on_call=None, **cfg):
     rc = RolloutConfig(**{"tools": ["test_async_tools:nap"], "max_new_tokens": 200, "tool_timeout_s": 1.0, **cfg})
-    return with_tools(Scripted(scripts, on_call), TOK, rc)
+    return with_tools(Scripted(scripts, TOOL_RESULT, on_call=on_call), TOK, rc)
 
 
 def _same_rollout(a, b):

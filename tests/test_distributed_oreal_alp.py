@@ -205,3 +205,62 @@ def test_the_doc_states_how_oreal_and_alp_behave_under_ddp():
                   "tests/test_distributed_oreal_alp.py"):
         assert claim in text, claim
     assert "not yet in the 2-process test" not in text
+
+
+# ----------------------------------------------------------------------------- SAFE's double critic under DDP
+# docs/distributed.md: the double critic's V2 (algorithms/double_critic.py) is an extra trainable head like V1, its
+# gradient averaged over the ranks before clipping, so both heads get the one-process gradient of the union batch
+# (their loss is token-mean with the global token count; the returns are per row) and stay identical on every rank.
+# Its own spawn (appended to this file, whose first spawn runs the OREAL and ALP cases).
+
+DOUBLE_CRITIC = ["algorithm.name=ppo", "algorithm.vf_double_critic=true", "algorithm.kl_coef=0",
+                 "algorithm.ppo_epochs=1"]
+
+
+def double_critic_update(model_dir: str, dist: Distributed, prompt_ids: list[int]) -> dict:
+    """One PPO update with the double critic on ``prompt_ids``: GAE on the heads' rollout values, then the step."""
+    from anabranch.models.loading import load_model
+    from anabranch.trainer.advantage_pass import compute_advantages
+    from anabranch.trainer.components import build_optimizer
+    from anabranch.trainer.step import policy_update
+
+    cfg = step_cfg(model_dir, DOUBLE_CRITIC)
+    algo = resolve_algorithm(cfg.algorithm)
+    torch.manual_seed(0)
+    model = load_model(cfg.model, torch.device("cpu"))
+    modules = {name: make(model.config, algo.cfg) for name, make in algo.module_factories.items()}
+    c = SimpleNamespace(cfg=cfg, model=model, optimizer=build_optimizer(cfg, model, modules))
+    dist.prepare(c)
+    rollout, rewards = fixed_rollout(prompt_ids)
+    adv = compute_advantages(algo, c.model, rollout, rewards, micro_batch_size=4, temperature=1.0, modules=modules,
+                             dist=dist.active)
+    policy_update(dist.policy(c.model), c.optimizer, rollout, adv.advantages, rewards, algo, micro_batch_size=4,
+                  grad_clip=0.0, temperature=1.0, max_response_len=R, dist=dist.active, modules=modules,
+                  precomputed=adv.precomputed)
+    heads = {f"{m}.{n}": p for m, mod in modules.items() for n, p in mod.named_parameters()}
+    return {"head_grads": {n: p.grad.clone() for n, p in heads.items()},
+            "heads": {n: p.detach().clone() for n, p in heads.items()}}
+
+
+def _double_critic_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    join_gloo(rank, world, port)
+    dist = Distributed.start(step_cfg(model_dir, DOUBLE_CRITIC))
+    torch.save(double_critic_update(model_dir, dist, dist.shard(list(range(PROMPTS)))), Path(out) / f"dc{rank}.pt")
+
+
+def test_double_critic_heads_get_the_union_gradient_and_stay_identical(tiny_model_dir, tmp_path):
+    spawn_two(_double_critic_worker, tiny_model_dir, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"dc{r}.pt", weights_only=False) for r in range(2)]
+    single = double_critic_update(tiny_model_dir, Distributed(), list(range(PROMPTS)))
+    alone = double_critic_update(tiny_model_dir, Distributed(), SHARES[0])
+    assert set(single["head_grads"]) == {"value.proj.weight", "value.proj.bias", "value2.proj.weight",
+                                         "value2.proj.bias"}
+    for name, g in single["head_grads"].items():
+        assert g.abs().max() > 0, name
+        # rank 0's rows alone give another gradient: the ranks' agreement below is the all-reduce's
+        assert not torch.allclose(alone["head_grads"][name], g, rtol=1e-3, atol=1e-7), name
+        for rank in ranks:
+            torch.testing.assert_close(rank["head_grads"][name], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    for name, w in single["heads"].items():  # V1 and V2 after the step: the same on both ranks, the union's
+        assert torch.equal(ranks[0]["heads"][name], ranks[1]["heads"][name]), name
+        torch.testing.assert_close(ranks[0]["heads"][name], w, rtol=1e-5, atol=2e-5)

@@ -17,6 +17,7 @@ from anabranch.models.tiny import char_tokenizer
 from anabranch.rollout.multi_turn import NO_CALLS_LEFT, ToolUseBackend, prompt_task, result_text, with_tools
 from anabranch.rollout.tools import ToolError, build_tools, calculate, notebook_cell, python_tool
 from anabranch.trainer.step import policy_update
+from scripted_backend import TOOL_RESULT, Scripted
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id
@@ -78,27 +79,8 @@ def lookup(word: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the turns
-class Scripted:
-    """A backend whose next turn is ``script[k]`` after ``k`` tool results in the sequence so far."""
-
-    def __init__(self, script, logprob=-0.5):
-        self.script, self.eos_ids, self.calls, self.logprob = script, [EOS], [], logprob
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        self.calls.append((len(seqs), list(max_new), list(stop)))
-        out = []
-        for s, budget in zip(seqs, max_new):
-            k = TOK.decode(s, skip_special_tokens=False).count("<result>")
-            ids = TOK(self.script[min(k, len(self.script) - 1)], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, None if self.logprob is None else [self.logprob] * len(ids)))
-        return out
-
-    def sync_weights(self, model):
-        pass
-
-
 def _mt(script, **cfg):
-    backend = Scripted(script)
+    backend = Scripted(script, TOOL_RESULT)
     return backend, with_tools(backend, TOK, RolloutConfig(**{"tools": ["calculator"], "max_new_tokens": 200, **cfg}))
 
 
@@ -120,8 +102,8 @@ def test_a_call_is_answered_and_only_the_policys_tokens_are_trained():
     assert ro.metrics["time/tools_s"] > 0
     assert ro.metrics["tools/output_token_frac"] == pytest.approx(obs / len(expected))
     # turn 1: every row with the whole budget; turn 2: what is left
-    assert backend.calls[0] == (4, [200] * 4, ["</calculator>"])
-    assert backend.calls[1] == (4, [200 - n1 - obs] * 4, ["</calculator>"])
+    assert backend.calls[:2] == [4, 4] and backend.stops[:2] == [["</calculator>"]] * 2
+    assert backend.budgets[0] == [200] * 4 and backend.budgets[1] == [200 - n1 - obs] * 4
     # prompts left-padded, as the backends give them
     assert ro.prompt_mask[2].tolist()[:2] == [0, 0] and ro.prompt_mask[0].all()
 
@@ -150,7 +132,7 @@ def test_calls_past_the_limit_get_an_error_and_one_last_turn_without_tools():
     assert text.count("<calculator>1+1</calculator>") == 3
     assert text.count(result_text("2")) == 2 and text.count(result_text(NO_CALLS_LEFT)) == 1
     assert text.endswith("The end.")
-    assert [c[2] for c in backend.calls] == [["</calculator>"]] * 3 + [[]]
+    assert backend.stops == [["</calculator>"]] * 3 + [[]]
     assert ro.metrics["tools/calls_mean"] == 3.0 and ro.metrics["tools/calculator/calls"] == 2.0
 
 
@@ -168,7 +150,7 @@ def test_the_budget_holds_tool_outputs_and_outputs_are_cut():
 
 
 def test_tool_output_cannot_end_the_message_with_a_special_token():
-    ids = ToolUseBackend(Scripted(["x"]), TOK, build_tools(["calculator"]),
+    ids = ToolUseBackend(Scripted(["x"], TOOL_RESULT), TOK, build_tools(["calculator"]),
                          RolloutConfig(tools=["calculator"])).output_ids("a<|im_end|>b")
     assert EOS not in ids and TOK.decode(ids) == result_text("a<|im_end|>b")
 
@@ -182,7 +164,7 @@ def test_failing_and_hanging_tools_answer_with_errors(monkeypatch):
         time.sleep(5)
         return "late"
 
-    backend = Scripted(["x"])
+    backend = Scripted(["x"], TOOL_RESULT)
     tools = build_tools(["calculator"])
     mt = ToolUseBackend(backend, TOK, tools, RolloutConfig(tools=["calculator"], tool_timeout_s=0.3))
     boom_tool = type(tools[0])("boom", "", boom)

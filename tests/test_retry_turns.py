@@ -11,35 +11,14 @@ from anabranch.models.tiny import char_tokenizer
 from anabranch.rewards.retry_reward import episode_reward, retry_turns_reward
 from anabranch.rollout.retry_turns import FEEDBACK, RetryTurnsBackend, feedback_ids
 from env_configs import load_with
+from scripted_backend import Scripted
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id
 
 
-class Scripted:
-    """A backend whose k-th attempt (k = feedback messages in the sequence so far) is ``script[k]``."""
-
-    def __init__(self, script):
-        self.script, self.eos_ids, self.calls = script, [EOS], []
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        self.calls.append(len(seqs))
-        out = []
-        for s, budget in zip(seqs, max_new):
-            k = TOK.decode(s, skip_special_tokens=False).count(FEEDBACK)
-            ids = TOK(self.script[min(k, len(self.script) - 1)], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, [-0.5] * len(ids)))
-        return out
-
-    def generate(self, prompts, n, greedy=False, max_new_tokens=None, seed=None):
-        raise AssertionError("single-turn generate is for evaluation only")
-
-    def sync_weights(self, model):
-        pass
-
-
 def _backend(script, k=3, answers=None, **cfg):
-    inner = Scripted(script)
+    inner = Scripted(script, FEEDBACK)
     rc = RolloutConfig(**{"retry_turns": k, "max_new_tokens": 200, **cfg})
     return inner, RetryTurnsBackend(inner, TOK, rc, answers if answers is not None else {"Q\n": "7"},
                                     check=lambda text, gold: text.strip().endswith(gold))
@@ -145,7 +124,7 @@ def test_a_backend_without_continue_ids_and_rows_without_answers_are_refused(tmp
     from anabranch.rollout.retry_turns import with_retry_turns
     cfg = _cfg(tmp_path)
     with pytest.raises(ConfigError, match="gold answer in every training row"):
-        with_retry_turns(Scripted(["x"]), TOK, cfg, [{"prompt": "a", "answer": ""}], ["a"])
+        with_retry_turns(Scripted(["x"], FEEDBACK), TOK, cfg, [{"prompt": "a", "answer": ""}], ["a"])
     _, be = _backend(["x"])
     with pytest.raises(ConfigError, match="sharded"):
         be.synced_gpus = True
@@ -204,7 +183,7 @@ def test_check_data_builds_the_answer_table_that_wraps_the_backend(tmp_path, mon
     table = retry_turns.check_data(cfg, TOK, [{"answer": " 7"}], ["Q\n"])
     assert table == {"Q\n": "7"}
     monkeypatch.setattr(retry_turns, "answer_table", lambda *a: pytest.fail("the table was built twice"))
-    be = retry_turns.with_retry_turns(Scripted(["x"]), TOK, cfg, [{"answer": " 7"}], ["Q\n"], answers=table)
+    be = retry_turns.with_retry_turns(Scripted(["x"], FEEDBACK), TOK, cfg, [{"answer": " 7"}], ["Q\n"], answers=table)
     assert be.answers == table  # the table given (answer_table above fails the test if called)
     import dataclasses
     off = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, retry_turns=1))
@@ -230,7 +209,8 @@ def test_math_verify_on_a_transcript_is_solved_at_some_attempt():
     from anabranch.config import RewardConfig, RewardFunctionConfig
 
     def episode(script):  # graded in the rollout by the real math-verify check
-        be = RetryTurnsBackend(Scripted(script), TOK, RolloutConfig(retry_turns=3, max_new_tokens=200), {"Q\n": "7"})
+        be = RetryTurnsBackend(Scripted(script, FEEDBACK), TOK, RolloutConfig(retry_turns=3, max_new_tokens=200),
+                               {"Q\n": "7"})
         return be.generate(["Q\n"], 1).completions[0]
 
     solved = episode(["so \\boxed{5}<|im_end|>", "then \\boxed{7}<|im_end|>"])

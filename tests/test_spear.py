@@ -245,7 +245,8 @@ def test_keys_refused_while_off_and_off_costs_nothing(tiny_model_dir, write_json
             "algorithm.spear.enabled": True, "algorithm.rorecomp_fraction": 0.5, "rollout.n": 4}))
 
 
-@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(Config().algorithm.spear) if f.name != "enabled"])
+@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(Config().algorithm.spear)
+                                 if f.name not in ("enabled", "tool_reward")])  # the nested section: test_spear_modes
 def test_every_knob_is_refused_while_spear_is_off(key):
     from anabranch.config_checks import check_whole_config
 

@@ -16,6 +16,7 @@ from anabranch.rollout.multi_turn import result_text, with_tools
 from anabranch.rollout.tools import build_tools
 from anabranch.rollout.void_turns import has_final_answer, is_void_turn, turns, void_rows
 from anabranch.trainer.step import policy_update
+from scripted_backend import TOOL_RESULT, Scripted
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id
@@ -48,26 +49,6 @@ def test_turns_are_the_runs_of_policy_tokens():
 
 
 # ------------------------------------------------------------------------------------------- whole rollouts
-class Scripted:
-    """A backend whose k-th turn (after k tool results) in row r is ``scripts[r % len(scripts)][k]``."""
-
-    def __init__(self, scripts):
-        self.scripts, self.eos_ids, self.row = scripts, [EOS], {}
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        out = []
-        for j, (s, budget) in enumerate(zip(seqs, max_new)):
-            text = TOK.decode(s, skip_special_tokens=False)
-            script = self.scripts[int(text.split("Q", 1)[1][0]) % len(self.scripts)]
-            k = text.count("<result>")
-            ids = TOK(script[min(k, len(script) - 1)], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, [-0.5] * len(ids)))
-        return out
-
-    def sync_weights(self, model):
-        pass
-
-
 SCRIPTS = [
     ["I compute <calculator>2+3</calculator>", "So the answer is 5.<|im_end|>"],  # call, then answer: kept
     ["I compute <calculator>2+3</calculator>", "ok<|im_end|>"],                  # call, then a void turn
@@ -78,8 +59,9 @@ SCRIPTS = [
 
 def _rollout(max_new_tokens=120):
     cfg = RolloutConfig(tools=["calculator"], max_new_tokens=max_new_tokens, void_turn_filter=True)
-    mt = with_tools(Scripted(SCRIPTS), TOK, cfg)
-    return mt, mt.generate([f"Q{i}\n" for i in range(4)], 1)
+    prompts = [f"Q{i}\n" for i in range(4)]  # row i plays SCRIPTS[i]
+    mt = with_tools(Scripted(dict(zip(prompts, SCRIPTS)), TOOL_RESULT), TOK, cfg)
+    return mt, mt.generate(prompts, 1)
 
 
 def test_void_rows_and_the_filtered_loss_mask():

@@ -24,6 +24,8 @@ from anabranch.config_algorithm_options import TCODConfig  # noqa: F401  (algori
 from anabranch.config_algorithm import AlgorithmConfig  # the algorithm section (config_algorithm.py)
 # The rollout methods' groups (rollout.arrol, .arpo, .semantic_tree, .mcts) live in config_rollout_options.py.
 from anabranch.config_rollout_options import ARPOConfig, ARRoLConfig, MCTSConfig, SemanticTreeConfig  # noqa: F401
+from anabranch.config_rollout_options import SelfSearchConfig  # noqa: F401 - SSRL (rollout/self_search.py)
+from anabranch.config_rollout_options import ContextCompressionConfig  # noqa: F401 - WebAgent-R1
 
 
 class ConfigError(ValueError):
@@ -304,6 +306,10 @@ class RolloutConfig:
     semantic_tree: SemanticTreeConfig = field(default_factory=SemanticTreeConfig)
     # DeepSearch's MCTS rounds (rollout/mcts_search.py): off unless rollout.mcts.enabled.
     mcts: MCTSConfig = field(default_factory=MCTSConfig)
+    # SSRL's self-search rollouts (rollout/self_search.py): off unless rollout.self_search.enabled.
+    self_search: SelfSearchConfig = field(default_factory=SelfSearchConfig)
+    # WebAgent-R1's context compression (rollout/context_compression.py): off unless its enabled is true.
+    context_compression: ContextCompressionConfig = field(default_factory=ContextCompressionConfig)
 
 
 @dataclass
@@ -334,6 +340,18 @@ class RewardConfig:
     # or reinforce_pp (the estimators that read per-token rewards).
     prm_shaping: str = "none"
     prm_eta: float = 0.5  # η of clip / clip_delta (assumed; the paper's value was not found)
+
+
+@dataclass
+class AsyncRolloutsConfig:
+    """``trainer.async_rollouts`` (trainer/async_rollouts.py): the next batch generated and scored in a
+    background thread while this one trains, one policy version behind (AReaL's staleness η = 1), trained with
+    AReaL's decoupled PPO weight π_prox/π_behav (algorithms/decoupled_ppo.py). Off by default."""
+    enabled: bool = False
+    # C of the behaviour weight w = π_prox/π_behav per token: "truncate" uses min(w, C); "filter" (AReaL's
+    # released code) sets w = 0 on tokens with w > C. Must be >= 1.
+    weight_cap: float = 5.0
+    weight_cap_mode: str = "truncate"
 
 
 @dataclass
@@ -402,6 +420,8 @@ class TrainerConfig:
     keep_last: int = 0
     # Consecutive steps whose loss or gradient is NaN/inf (update skipped) before the run stops.
     max_nonfinite_in_a_row: int = 5
+    # One-step-off-policy rollouts (trainer/async_rollouts.py): off unless trainer.async_rollouts.enabled.
+    async_rollouts: AsyncRolloutsConfig = field(default_factory=AsyncRolloutsConfig)
 
 
 @dataclass

@@ -109,6 +109,10 @@ class AlgorithmConfig:
     vf_coef: float = 0.5
     vf_clip: float = 0.2
     vf_lr_multiplier: float = 10.0
+    # SAFE's double soft-min critic (algorithms/double_critic.py): a second value head, the estimator reading
+    # V_soft = −α·log(½e^{−V1/α} + ½e^{−V2/α}) (α = vf_soft_min_alpha), each head trained on the returns.
+    vf_double_critic: bool = False
+    vf_soft_min_alpha: float = 0.3
     # psr_nsr advantage: +psr_weight for rewards > positive_threshold, −nsr_weight otherwise
     # (PSR only: nsr_weight=0; NSR only: psr_weight=0; W-REINFORCE: psr_weight=0.1).
     psr_weight: float = 1.0

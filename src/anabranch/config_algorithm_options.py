@@ -305,6 +305,20 @@ class ALPConfig:
 
 
 @dataclass
+class SPEARToolRewardConfig:
+    """SPEAR's tool-call reward curriculum (``algorithm.spear.tool_reward``; needs rollout.tools; algorithms/spear.py):
+    R_i += w_k · min(coef · calls_i, cap), w_k = (1 + cos(π k / decay_steps)) / 2 for k ≤ decay_steps, 0 after.
+    The authors' run scripts: 0.1 per call, cap 1, 200 steps."""
+
+    # Bonus per tool call of a response (0: off; the authors' 0.1).
+    coef: float = 0.0
+    # The bonus of one response is at most this (the authors' 1.0).
+    cap: float = 1.0
+    # Steps over which the weight w_k falls from 1 to 0 on a half-cosine (0: no decay, w = 1 throughout).
+    decay_steps: int = 200
+
+
+@dataclass
 class SPEARConfig:
     """SPEAR's self-imitation replay (``algorithm.spear``; Qin et al. 2025, arXiv 2509.22601; algorithms/spear.py,
     trainer/spear_replay.py): this step's rows with positive advantage enter a buffer with their behaviour
@@ -332,6 +346,11 @@ class SPEARConfig:
     cov_clip_ratio: float = 0.02
     cov_clip_low: float = 1.0
     cov_clip_high: float = 40.0
+    # joint: replayed rows join the step's one update (under its loss normalizer); separate: after the on-policy
+    # update, one more optimizer step on the replayed rows alone, normalized over their own tokens (the authors').
+    replay_step: str = "joint"
+    # The intrinsic tool-call reward, decayed over training (needs rollout.tools).
+    tool_reward: SPEARToolRewardConfig = field(default_factory=SPEARToolRewardConfig)
 
 
 @dataclass

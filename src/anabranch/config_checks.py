@@ -189,7 +189,9 @@ _GATED = [
     ("algorithm", ("std_filter_beta", "std_filter_ema_decay", "std_filter_warmup_steps", "std_filter_init_steps"),
      lambda c: c.algorithm.dynamic_sampling_filter == "std", "algorithm.dynamic_sampling_filter=std"),
     ("algorithm", ("ref_reset_optimizer",), lambda c: c.algorithm.ref_reset_every > 0, "algorithm.ref_reset_every > 0"),
-    ("rollout", ("search_corpus", "search_top_k"), lambda c: "search" in c.rollout.tools, "rollout.tools=[search]"),
+    ("rollout", ("search_corpus", "search_top_k"), lambda c: "search" in c.rollout.tools or c.rollout.self_search.sim2real,
+     "rollout.tools=[search] (or rollout.self_search.sim2real=true)"),
+    ("rollout.self_search", None, lambda c: c.rollout.self_search.enabled, "rollout.self_search.enabled=true"),  # SSRL
     ("algorithm.ssp", None, lambda c: c.algorithm.ssp.enabled, "algorithm.ssp.enabled=true"),  # SSP (trainer/ssp_round.py)
     # ETR / PACS (algorithms/etr.py, algorithms/pacs.py): options of their objective only.
     ("algorithm", ("etr_adv_coef", "etr_var_coef"), lambda c: c.algorithm.loss == "etr",
@@ -216,6 +218,7 @@ _GATED = [
      "algorithm.epo_coef > 0"),
     ("algorithm", ("epo_gamma",), lambda c: c.algorithm.epo_coef > 0 and c.algorithm.epo_horizon > 0,
      "algorithm.epo_coef > 0 and algorithm.epo_horizon > 0"),
+    ("algorithm", ("vf_soft_min_alpha",), lambda c: c.algorithm.vf_double_critic, "algorithm.vf_double_critic=true"),
     ("rollout", ("dars_schedule", "dars_max_extra", "dars_threshold"), lambda c: c.rollout.extra_rollouts == "dars",
      "rollout.extra_rollouts=dars"),
     ("rollout", ("cure_originals", "cure_branches", "cure_top_k", "cure_selection", "cure_min_token_chars", "cure_steps"),
@@ -230,6 +233,9 @@ _GATED = [
     ("algorithm", ("rose_length_alpha",), lambda c: c.algorithm.advantage == "rose", "algorithm.advantage=rose"),
     # DeepSearch (rollout/mcts_search.py, algorithms/deepsearch.py): the search's knobs act only while it is on.
     ("rollout.mcts", None, lambda c: c.rollout.mcts.enabled, "rollout.mcts.enabled=true"),
+    # WebAgent-R1 (rollout/context_compression.py): keep_last and the placeholder act only while it is on.
+    ("rollout.context_compression", None, lambda c: c.rollout.context_compression.enabled,
+     "rollout.context_compression.enabled=true"),
     ("task.inspo", None, lambda c: c.task.inspo.enabled, "task.inspo.enabled=true"),  # INSPO's population knobs
     ("algorithm", ("mssr_rho", "mssr_prior"), lambda c: c.algorithm.advantage == "mssr",
      "algorithm.advantage=mssr (algorithm.name=mssr)"),
@@ -285,6 +291,8 @@ _GATED = [
     ("task.sws", None, lambda c: c.task.sws.enabled, "task.sws.enabled=true"),  # SwS (trainer/sws_synthesis.py)
     ("task.eva", None, lambda c: c.task.eva.enabled, "task.eva.enabled=true"),  # eva (trainer/eva_evolve.py)
     ("task.cobalt", None, lambda c: c.task.cobalt.enabled, "task.cobalt.enabled=true"),  # Cobalt (data/cobalt_contexts.py)
+    ("trainer.async_rollouts", None, lambda c: c.trainer.async_rollouts.enabled,  # trainer/async_rollouts.py
+     "trainer.async_rollouts.enabled=true"),
 ]
 
 
@@ -403,6 +411,8 @@ _METHOD_CHECKS = (
                 "DARS: prompt pairing, group-level rewards"),
     MethodCheck(lambda c: c.rollout.extra_rollouts == "cure", "anabranch.trainer.cure_rollouts:check_config",
                 "CURE's key ranges, rollout.n, backend and tools"),
+    MethodCheck(lambda c: c.rollout.context_compression.enabled, "anabranch.trainer.turn_rows:check_config",
+                "WebAgent-R1: an environment, M-GRPO's estimator / loss / aggregation, no one-row-per-trajectory ones"),
     MethodCheck(lambda c: c.rollout.arrol.enabled, "anabranch.trainer.arrol_rollouts:check_config",
                 "ARRoL: key ranges, hf backend, single-turn rollouts, losses over whole responses, own-row methods"),
     MethodCheck(lambda c: c.algorithm.loss == "refuel", "anabranch.trainer.refuel_rollouts:check_config",
@@ -422,7 +432,7 @@ _METHOD_CHECKS = (
     MethodCheck(lambda c: c.algorithm.rorecomp_fraction != 0, "anabranch.trainer.rorecomp:check_config",
                 "RoRecomp: key ranges, rollout.n, refused methods"),
     MethodCheck(lambda c: c.algorithm.spear.enabled, "anabranch.trainer.spear_replay:check_config",
-                "SPEAR: key ranges, RoRecomp, losses that ignore or regroup the advantages"),
+                "SPEAR: ranges, RoRecomp, losses ignoring Â or reading groups, row rebuilders, tool_reward w/o tools"),
     MethodCheck(lambda c: c.algorithm.guide.enabled, "anabranch.algorithms.guide:check_run",
                 "Guide: backend, tools and pairing it cannot take"),
     MethodCheck(lambda c: c.algorithm.scaffold.enabled, "anabranch.algorithms.scaffold:check_run",
@@ -433,6 +443,8 @@ _METHOD_CHECKS = (
                 "AMPO: backend, tools, retry turns and pairing it cannot take"),
     MethodCheck(lambda c: c.algorithm.svs.enabled, "anabranch.algorithms.svs:check_run",
                 "SvS: tools, retry turns, environments, pairing, mixtures, process rewards, row rewriters"),
+    MethodCheck(lambda c: c.rollout.self_search.enabled, "anabranch.rollout.self_search:check_config",
+                "SSRL: no tools / environments / retry turns / other round builders, masking vs whole-response losses"),
     MethodCheck(lambda c: "search" in c.rollout.tools, "anabranch.rollout.search_tool:check_config",
                 "the search tool: search_top_k >= 1, a readable search_corpus"),
     MethodCheck(lambda c: c.algorithm.ssp.enabled, "anabranch.algorithms.ssp:check_run",
@@ -453,6 +465,8 @@ _METHOD_CHECKS = (
                 "ProRL's reference reset with LoRA"),
     MethodCheck(lambda c: _changed(c.algorithm.rlfr), "anabranch.trainer.latent_flow_step:check_run",
                 "RLFR: key ranges, a loss that trains on Â, a source to fit the flow on"),
+    MethodCheck(lambda c: c.trainer.async_rollouts.enabled, "anabranch.trainer.async_rollouts:check_config",
+                "async rollouts: key ranges, ppo_clip, one process, samplers reading this step, own rollout rounds"),
     MethodCheck(lambda c: c.task.inspo.enabled, "anabranch.trainer.instruction_population:check_config",
                 "INSPO: key ranges, a seed instruction, methods that rebuild or key on the prompts"),
 )

@@ -29,6 +29,9 @@ class ARRoLConfig:
     head_lr: float = 1e-3       # the head's own Adam
     head_updates: int = 1       # Adam steps on each round's survivors
     warmup_steps: int = 5       # head updates (on plain, unpruned rounds) before pruning starts
+    # The probe (trainer/arrol_probe.py): this fraction of each group's pruned prefixes, drawn uniformly (seeded),
+    # also finish, for the head's BCE only (importance-weighted by 1/P(finished)); never trained or rewarded. 0: off.
+    head_probe: float = 0.0
 
 
 @dataclass
@@ -89,3 +92,32 @@ class MCTSConfig:
     q_temperature: float = 1.0      # τ of the rows' tanh(W/τ) node values (0: raw W)
     cache: bool = True              # solved problems skip later searches and reuse their cached solutions
     cache_max_accuracy: float = 0.25  # δ: cache a problem when 0 < its share of correct kept leaves <= δ (authors')
+
+
+@dataclass
+class SelfSearchConfig:
+    """SSRL's self-search rollouts (``rollout.self_search``; Fan et al. 2025, "SSRL: Self-Search Reinforcement Learning",
+    arXiv 2508.10874; rollout/self_search.py): one single-turn response in the Search-R1 format whose
+    ``<information>`` blocks the policy writes itself; with mask_information those blocks' tokens leave the loss (the
+    authors' example script: enable_information_loss_mask=True). sim2real: evaluation (the trainer's held-out eval and
+    ``anabranch eval``) stops at each ``</search>`` and inserts the BM25 passages of rollout.search_corpus as the
+    ``<information>`` block instead; training rollouts stay self-search."""
+
+    enabled: bool = False
+    mask_information: bool = True   # loss_mask 0 on the <information>...</information> spans (tags included)
+    sim2real: bool = False          # evaluation with the real search tool (rollout.search_corpus, search_top_k)
+
+
+@dataclass
+class ContextCompressionConfig:
+    """WebAgent-R1's dynamic context compression (``rollout.context_compression``; Wei et al. 2025, "WebAgent-R1:
+    Training Web Agents via End-to-End Multi-Turn Reinforcement Learning", arXiv 2505.16421;
+    rollout/context_compression.py, trainer/turn_rows.py): in an environment episode (``rollout.environment``) every
+    observation but the last ``keep_last`` is replaced by ``placeholder`` as a new one arrives (the actions are kept),
+    so the context stays bounded; each turn then trains as its own row under the context it was sampled from
+    (M-GRPO's per-trajectory, per-turn, per-token mean)."""
+
+    enabled: bool = False
+    keep_last: int = 1   # observations kept in full (the authors' code keeps only the current page)
+    # The text an older observation becomes, rendered as the same user turn (the authors': "** Simplified html **")
+    placeholder: str = "(earlier observation omitted)"

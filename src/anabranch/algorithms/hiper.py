@@ -59,7 +59,7 @@ import re
 
 import torch
 
-from anabranch.algorithms.ppo_value import VALUE_HEAD, make_value_head, value_loss
+from anabranch.algorithms.ppo_value import value_loss, value_modules
 from anabranch.algorithms.registries import ADVANTAGES
 from anabranch.algorithms.turn_credit import outcome_turn_rewards
 from anabranch.algorithms.turn_spans import (env_turns_checked, needs_environment, per_turn_table, place_on_turns,
@@ -148,7 +148,7 @@ def episode_starts(h, env_turns: list, env_actions) -> list[list[int]]:
     return [switch_starts(a) for a in env_actions]
 
 
-@ADVANTAGES.register(NAME, needs=("values", "hidden"), modules={VALUE_HEAD: make_value_head}, aux_loss=value_loss)
+@ADVANTAGES.register(NAME, needs=("values", "hidden"), modules=value_modules, aux_loss=value_loss)
 def hiper_advantage(rewards, group_index, response_mask, cfg, env_turns=None, values=None, env_actions=None, **_):
     """HAE (module docstring). Returns ``(advantages, {"returns": critic targets})`` as ``gae`` does."""
     turns = env_turns_checked(env_turns, response_mask, NAME,

@@ -12,6 +12,10 @@ with value clipping (PPO2; Schulman et al. 2017) is
 
 aggregated like the policy loss. V_t is read from the hidden state of the token *before*
 response token t (the state that token t was sampled in).
+
+With ``algorithm.vf_double_critic`` (SAFE's double soft-min critic, algorithms/double_critic.py) a second head
+V2 is built beside V, GAE reads V_soft = −α·log(½e^{−V1/α} + ½e^{−V2/α}), and each head gets the loss above
+toward the same R; off, nothing here changes (one dict lookup per call).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.registries import ADVANTAGES, RECIPES
 
 VALUE_HEAD = "value"
+VALUE_HEAD2 = "value2"  # the double critic's second head (algorithms/double_critic.py), only with vf_double_critic
 
 
 class ValueHead(nn.Module):
@@ -44,9 +49,44 @@ def make_value_head(model_config, cfg) -> ValueHead:
     return ValueHead(model_config.hidden_size, cfg.vf_lr_multiplier)
 
 
+def value_modules(cfg) -> dict:
+    """The critic's heads (registered as ``modules=``): V, and V2 with ``vf_double_critic``."""
+    if not cfg.vf_double_critic:
+        return {VALUE_HEAD: make_value_head}
+    from anabranch.algorithms.double_critic import make_second_value_head  # it imports this module
+
+    return {VALUE_HEAD: make_value_head, VALUE_HEAD2: make_second_value_head}
+
+
 def response_values(modules: dict, hidden: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Values [B, R] of the states in which each response token was sampled."""
+    """Values [B, R] of the states in which each response token was sampled (the double critic's V_soft)."""
+    if VALUE_HEAD2 in modules:
+        from anabranch.algorithms.double_critic import head_values
+
+        return head_values(modules, hidden, response_len)[..., 0]
     return modules[VALUE_HEAD](hidden[:, -(response_len + 1):-1])
+
+
+def rollout_values(modules: dict, hidden: torch.Tensor, response_len: int) -> torch.Tensor:
+    """What the rollout's no-grad pass keeps: V [B, R], or the double critic's (V_soft, V1, V2) [B, R, 3] (each
+    head's own old value clips its loss); :func:`split_rollout_values` turns it into the estimator's inputs."""
+    if VALUE_HEAD2 in modules:
+        from anabranch.algorithms.double_critic import head_values
+
+        return head_values(modules, hidden, response_len)
+    return response_values(modules, hidden, response_len)
+
+
+def rollout_value_columns(modules: dict | None) -> tuple:
+    """The trailing shape of :func:`rollout_values`: () or (3,)."""
+    return (3,) if modules and VALUE_HEAD2 in modules else ()
+
+
+def split_rollout_values(values: torch.Tensor) -> dict:
+    """``{"values": V}``; the double critic's adds ``"value_heads"`` [B, R, 2] (V1, V2) for its loss."""
+    if values.dim() == 2:
+        return {"values": values}
+    return {"values": values[..., 0].contiguous(), "value_heads": values[..., 1:].contiguous()}
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
@@ -71,19 +111,27 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.
     return adv, (adv + values) * mask
 
 
+def clipped_value_error(v: torch.Tensor, old: torch.Tensor, returns: torch.Tensor, clip: float,
+                        response_mask: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(½·max((V − R)², (V_old + clip(V − V_old, ±clip) − R)²) per token, the clipped share); clip 0: ½(V − R)²."""
+    err = (v - returns) ** 2
+    if clip > 0:
+        v_clip = old + (v - old).clamp(-clip, clip)
+        err_clip = (v_clip - returns) ** 2
+        return 0.5 * torch.maximum(err, err_clip), masked_mean((err_clip > err).float(), response_mask).item()
+    return 0.5 * err, 0.0
+
+
 def value_loss(ctx, response_mask):
     """The clipped critic loss above, from ``ctx.hidden`` and the rollout's values and returns."""
+    if VALUE_HEAD2 in ctx.modules:  # SAFE's double critic: each head's own clipped loss
+        from anabranch.algorithms.double_critic import double_value_loss
+
+        return double_value_loss(ctx, response_mask)
     cfg = ctx.cfg
     old, returns = ctx.extras["values"], ctx.extras["returns"]
     v = response_values(ctx.modules, ctx.hidden, old.shape[1])
-    err = (v - returns) ** 2
-    if cfg.vf_clip > 0:
-        v_clip = old + (v - old).clamp(-cfg.vf_clip, cfg.vf_clip)
-        err_clip = (v_clip - returns) ** 2
-        loss_mat = 0.5 * torch.maximum(err, err_clip)
-        clip_frac = masked_mean((err_clip > err).float(), response_mask).item()
-    else:
-        loss_mat, clip_frac = 0.5 * err, 0.0
+    loss_mat, clip_frac = clipped_value_error(v, old, returns, cfg.vf_clip, response_mask)
     loss = cfg.vf_coef * ctx.aggregate(loss_mat, response_mask)
     with torch.no_grad():
         metrics = {"critic/vf_loss": masked_mean(loss_mat, response_mask).item(),
@@ -92,8 +140,7 @@ def value_loss(ctx, response_mask):
     return loss, metrics
 
 
-@ADVANTAGES.register("gae", needs=("values", "hidden"), modules={VALUE_HEAD: make_value_head},
-                     aux_loss=value_loss)
+@ADVANTAGES.register("gae", needs=("values", "hidden"), modules=value_modules, aux_loss=value_loss)
 def gae_advantage(rewards, group_index, response_mask, cfg, values=None, token_rewards=None, **_):
     """GAE with a learned value head, whitened over the batch (see the module docstring).
 

@@ -381,6 +381,7 @@ _METHOD_RANGE_CHECKS: tuple[tuple[Callable | str, str], ...] = (
     (check_siren, ""),
     (check_epo, ""),
     (check_safe, ""),  # SAFE's keys and the fixed KL term it replaces
+    ("anabranch.algorithms.double_critic:check_double_critic", ""),  # SAFE's double critic needs a value head
     ("anabranch.algorithms.dph:check_dph", "dph"),  # DPH-RL's rehearsal; any algorithm may add it
     ("anabranch.algorithms.hpt:check_hpt", "hpt"),  # HPT's switch between RL and SFT per prompt
     (_hpt_never_acts, ""),

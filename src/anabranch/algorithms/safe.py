@@ -5,7 +5,8 @@ Paper: Dipan Maity, "SAFE: Stable Alignment Finetuning with Entropy-Aware Predic
 double soft-min critic, (2) an entropy-gated penalty on the KL to the reference, L_EPC = g_t·L_base, and
 (3) a threshold on that KL moved by a PID controller on the reward's velocity, τ_t = (τ_base + PID(r_t))·φ_t.
 This module is (2) and (3), an extra loss term beside any objective of the GRPO family, and the soft-min
-of (1) as a function (:func:`soft_min`; the second value head is not wired, see below):
+of (1) as a function (:func:`soft_min`); (1) itself is an option of the PPO critic, ``algorithm.vf_double_critic``
+(algorithms/double_critic.py: a second value head, GAE on the soft-min, each head trained on the returns):
 
 * measured once per step, from each response's first forward of the step (global under DDP):
   KL_t = Σ m·(log π_θ − log π_ref) / Σ m (k1, the token mean), H_t = the mean over responses of each
@@ -44,7 +45,7 @@ Differences, on purpose (the method text beyond the abstract was not available t
   50/100-step reward history and an absolute reward level 0.7 of their reward model) is left out: φ = 1;
 * the released "max preview KL" step scaling (present in its config, unused in its loop) is left out;
 * the double soft-min critic (two value heads, V_soft = −α·log(½e^{−V1/α} + ½e^{−V2/α}) as GAE's value)
-  is not wired into the PPO critic (algorithms/ppo_value.py); only :func:`soft_min` is here;
+  lives in algorithms/double_critic.py with its own differences from the released code;
 * the controller's state is global under data parallelism (its sums all-reduced) and saved in checkpoints.
 """
 

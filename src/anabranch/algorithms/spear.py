@@ -21,6 +21,13 @@ Implemented (the buffer and where its rows train: trainer/spear_replay.py):
     Clip-Cov    keep_t = 0 on ⌊ρ·N⌋ tokens drawn among the replayed tokens with ω_low ≤ Cov_t ≤ ω_high that the
                 PPO clip has not cut, Cov_t = (log π_θ(o_t) − mean)(Â_t − mean) over the replayed tokens
                 (algorithms/cov_control.py: ``token_covariance``, ``clip_cov_keep``), 1 elsewhere
+    replay_step joint (default): L = agg over this step's rows ∪ the replayed rows of their terms (one normalizer,
+                e.g. token-mean: N_on + N_rep tokens), one optimizer step; c_k folded into the replayed Â;
+                separate (the authors'): θ' = step(θ, ∇L_on), then θ'' = step(θ', ∇ c_k·L_SIL(θ')) with L_SIL's
+                own normalizer (token-mean: N_rep), Â unscaled in Clip-Cov, no KL term, one epoch, no step at
+                c_k = 0 (trainer/spear_update.py)
+    tool reward R_i ← R_i + w_k · min(coef · n_i, cap),  w_k = (1 + cos(π k / T)) / 2 for k ≤ T, 0 after
+                (T = ``tool_reward.decay_steps``; T = 0: w = 1), n_i the tool calls of row i (its tool-output blocks)
 
 Confirmed (the abstract, and the authors' released code, TencentYoutuResearch/SPEAR, which we read: the replay
 buffer class of verl-agent's hybrid trainer, dp_actor's replay pass, the run scripts and README): a buffer of
@@ -31,11 +38,25 @@ dropped; the replay loss is the run's PPO loss on the stored old log-probs, with
 only (their own ratio/bounds: README defaults 0.02, 1, 40) and the coefficient's rising half-cosine over
 ``max_replay_loss_steps`` (README 200); a baseline history of 10240 groups; buffer size 2048.
 
+Also confirmed in that code: the replay pass is its own update after the on-policy mini-batches of each PPO epoch
+(its own zero_grad, micro-batch backward passes and ``_optimizer_step``: the same gradient clipping), the run's
+policy loss and ``loss_agg_mode`` over each replayed micro-batch's own response mask, the entropy bonus kept and the
+KL loss left out (commented out), and the whole replay loss multiplied by c_k (so Clip-Cov sees the unscaled Â).
+The tool-call reward (the retool recipe's reward function, ``use_toolcall_reward=cosine``,
+``max_toolcall_steps=200`` in the run scripts): 0.1 per assistant turn holding a tool call, capped at 1, times
+(cos(π k / T) + 1) / 2 while k ≤ T, 0 after; added to every response's score (its "posneg" variant).
+
 Differences from the released code (**assumed** / adapted to this library):
 
-* the replayed rows join the step's one update (merged with its on-policy rows, ``c_k`` folded into their
-  advantages, the run's ``loss_agg_mode`` over both), where the authors run a second optimizer step on the
-  replayed mini-batch after the on-policy one;
+* ``replay_step=joint`` (the default): the replayed rows join the step's one update (merged with its on-policy rows,
+  ``c_k`` folded into their advantages, the run's ``loss_agg_mode`` over both; Clip-Cov sees c_k·Â), where the
+  authors run the second optimizer step that ``replay_step=separate`` runs. ``separate`` differs from the code in
+  that it takes one optimizer step on all replayed rows (theirs: one per ``ppo_mini_batch_size`` rows) once, after
+  all ``ppo_epochs`` on-policy epochs (theirs: after each epoch), normalized over all replayed tokens of the step
+  (theirs: per micro-batch, averaged over the accumulation);
+* the tool-call count is the number of tool-output blocks in a response (this library's turns hold one call each);
+  the Qwen3 scripts' variant (a flat w_k for any call on a positive-score row) is not implemented; the bonus is
+  added after the batch is collected, so dynamic sampling's group filter does not see it (as DSDR's bonus);
 * they replay ``replay_rows`` K of the oldest waiting rows whenever that many wait (RoRecomp's FIFO pop), where
   the code replays a random power-of-two subset of all waiting rows once 1.5× ``buffer_size`` wait and then
   empties the buffer;
@@ -43,8 +64,6 @@ Differences from the released code (**assumed** / adapted to this library):
 * the covariance mask is drawn once, before the update, with π_θ from a no-grad pass over the replayed rows
   (exact for ppo_epochs=1; with more epochs the tokens stay those of the first);
 * the README's ``trajectory_score_threshold`` (1) is not read by the buffer code we read: admission is A_i > 0;
-* the tool-call intrinsic reward curriculum (a cosine-decayed weight on a tool-call bonus) is not implemented:
-  this library has no tool-call reward term whose weight a schedule could decay.
 """
 
 from __future__ import annotations
@@ -55,8 +74,10 @@ import torch
 
 from anabranch.algorithms.cov_control import clip_cov_keep, token_covariance
 from anabranch.algorithms.grpo import ppo_surrogate
+from anabranch.algorithms.turn_spans import turn_counts, turn_index
 
 RECALIBRATIONS = ("p50", "decay")
+REPLAY_STEPS = ("joint", "separate")
 
 
 def group_reward_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -130,3 +151,23 @@ def covariance_keep(log_prob: torch.Tensor, behaviour_lp: torch.Tensor, advantag
     _, was_clipped, _ = ppo_surrogate(log_prob, behaviour_lp, advantages, algo_cfg)
     cov = token_covariance(log_prob, advantages, mask)
     return clip_cov_keep(cov, mask, was_clipped, ratio, low, high).to(advantages.dtype)
+
+
+def tool_calls(response_mask: torch.Tensor, trained_mask: torch.Tensor) -> torch.Tensor:
+    """[B] each row's tool calls: its blocks of tool output (response tokens the policy did not sample; each call,
+    a refused one past rollout.max_tool_calls included, is answered by one such block, rollout/multi_turn.py)."""
+    return turn_counts(turn_index((response_mask.bool() & ~trained_mask.bool()).long())).float()
+
+
+def tool_reward_weight(step: int, decay_steps: int) -> float:
+    """w_k: (1 + cos(π k / T)) / 2 for k ≤ T, 0 after (T = 0: no decay, 1)."""
+    if decay_steps <= 0:
+        return 1.0
+    if step > decay_steps:
+        return 0.0
+    return (1.0 + math.cos(math.pi * step / decay_steps)) / 2.0
+
+
+def tool_bonus(calls: torch.Tensor, coef: float, cap: float, weight: float) -> torch.Tensor:
+    """[B] w_k · min(coef · n_i, cap)."""
+    return weight * (coef * calls).clamp(max=cap)

@@ -166,4 +166,5 @@ __all__ = ["TASKS", "load_task", "DataError"]
 # Built-in tasks defined in their own modules register themselves on import.
 from anabranch.data import humaneval  # noqa: E402,F401
 from anabranch.data import random_calculation  # noqa: E402,F401
+from anabranch.data import ssrl_qa  # noqa: E402,F401 - search_qa (SSRL's knowledge QA, rollout/self_search.py)
 from anabranch.rollout import env_games  # noqa: E402,F401 - number_guess (rollout.environment's game)

@@ -66,6 +66,10 @@ def add_subcommands(sub) -> None:
                         "(':', 'Solution', ...) with the configured rewards on the held-out problems and report "
                         "each reward's false-positive rate; optional file of keys, one per line or a JSON list "
                         "(write --judge-probe=FILE; a bare --judge-probe goes last on the line; default: off)")
+    p.add_argument("--arrol-vote", action="store_true",
+                   help="ARRoL (Xu et al. 2026): besides the plain majority vote, the vote with each sample's answer "
+                        "weighted by the quality head's predicted success at the pruning point; the head is read "
+                        "from a checkpoint folder RUN/checkpoints/step-NNNNNN of an ARRoL run (default: off)")
 
     p = sub.add_parser("compare", help="train the same job with several algorithms and write one report")
     p.add_argument("--algorithms", "-a", required=True, help="comma-separated recipe names, e.g. grpo,flowrl,dapo")
@@ -99,7 +103,8 @@ def settings_from(args, n: int | None = None):
                         embeddings=not args.no_embeddings, effective_rank=not args.no_effective_rank,
                         sparse_tokens=args.sparse_tokens, gain_k=args.gain_k,
                         contamination=getattr(args, "contamination", []),
-                        bon_frontier=args.bon_frontier, judge_probe=_probe_keys(getattr(args, "judge_probe", None)))
+                        bon_frontier=args.bon_frontier, judge_probe=_probe_keys(getattr(args, "judge_probe", None)),
+                        arrol_vote=getattr(args, "arrol_vote", False))
 
 
 def _probe_keys(value: str | None) -> list[str] | None:

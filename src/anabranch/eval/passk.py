@@ -30,14 +30,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
-def majority_correct(answers: list, correct: list[bool]) -> float:
+def majority_correct(answers: list, correct: list[bool], weights: list[float] | None = None) -> float:
     """Correctness of the most common answer among ``answers`` (``None`` = no answer, no vote).
 
     Samples with the same answer share one correctness (the fraction of them marked correct, so a
     verifier that disagrees with itself counts in part). A tie between the top answers gives the
-    mean over them, the expected value of a random tie-break.
+    mean over them, the expected value of a random tie-break. ``weights``: each sample's vote counts
+    its weight instead of 1 (ARRoL's head-weighted vote, eval/arrol_vote.py); None is the plain vote.
     """
     votes = Counter(a for a in answers if a is not None)
+    if weights is not None:
+        votes = Counter()
+        for a, w in zip(answers, weights, strict=True):
+            if a is not None:
+                votes[a] += float(w)
     if not votes:
         return 0.0
     top = max(votes.values())

@@ -58,6 +58,9 @@ class EvalSettings:
     # "Solution", ...) scored by the configured rewards on the held-out problems; the false-positive
     # rate per reward and key. None (the default): off, nothing scored.
     judge_probe: list | None = None
+    # ARRoL's test-time vote (Xu et al. 2026, eval/arrol_vote.py): each sample's answer weighted by the checkpoint's
+    # quality head at the pruning point, beside the plain majority vote. Off: no head loaded, no extra forward.
+    arrol_vote: bool = False
 
     def check(self) -> None:
         """Cheap range checks, run before any model is loaded (a bad --n or --k used to surface
@@ -192,10 +195,19 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
     device = pick_device(cfg.trainer.device)
     model = load_model(mcfg, device, trainable=False)
     backend = with_tools(ROLLOUT_BACKENDS.get(rcfg.backend)(model, tokenizer, rcfg), tokenizer, rcfg)
+    if rcfg.self_search.enabled:  # SSRL's sim2real: the search tool fills the <information> blocks
+        from anabranch.rollout.self_search import with_self_search
+
+        backend = with_self_search(backend, tokenizer, rcfg, evaluation=True)
     # As in training (trainer/components.py): each sample and greedy answer is an episode, which the env_* rewards read
     backend = with_environment(backend, tokenizer, dataclasses.replace(cfg, rollout=rcfg), env_table)
     max_new = settings.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
 
+    vote, vote_weights = None, []  # --arrol-vote: the checkpoint's quality head, each problem's sample weights
+    if settings.arrol_vote:
+        from anabranch.eval.arrol_vote import load_head
+
+        vote = load_head(spec, cfg, device)
     torch.manual_seed(settings.seed)
     completions: list[list[str]] = []
     tool_calls = 0.0  # with rollout.tools: calls summed over the samples
@@ -217,6 +229,9 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
             sampled += sequences_of(ro, start)
         for g in range(len(batch)):
             completions.append([c for c, gi in zip(ro.completions, ro.group_index.tolist()) if gi == g])
+        if vote is not None:
+            ws = vote.scores(model, ro, cfg.trainer.micro_batch_size)
+            vote_weights += [[w for w, gi in zip(ws, ro.group_index.tolist()) if gi == g] for g in range(len(batch))]
     flat = [c for group in completions for c in group]
     flat_rows = [r for r in rows for _ in range(settings.n)]
     flat_prompts = [p for p in prompts for _ in range(settings.n)]
@@ -235,6 +250,12 @@ def evaluate_model(cfg: Config, spec: ModelSpec, settings: EvalSettings,
              "total reward (no correctness reward, and the rows have no answers)"}
     if rcfg.tools:
         entry["tool_calls_mean"] = tool_calls / max(len(rows) * settings.n, 1)
+    if settings.arrol_vote:
+        from anabranch.eval.arrol_vote import NOT_ARROL, vote_entry
+
+        entry["arrol_vote"] = (vote_entry(answers, correct, vote_weights, vote.prune_at,
+                                          entry["maj@k"].get(str(settings.n))) if vote is not None
+                               else dict(NOT_ARROL))
     group_rewards = [s.name for s in sources if is_group_reward(s)] if source is None else []
     if settings.greedy and group_rewards:  # one greedy answer per problem: a group of one is its own majority
         entry["greedy_accuracy"] = None
@@ -349,6 +370,10 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
         raise ConfigError("--bon-frontier needs at least two models: the first is the base whose best-of-n "
                           f"frontier the later ones are placed on; got {len(models)}")
     specs = [resolve_model(m) for m in models]
+    if settings.arrol_vote:  # the head lives in a checkpoint's trainer_state.pt (eval/arrol_vote.py)
+        from anabranch.eval.arrol_vote import check_models
+
+        check_models(specs)
     labels = [s.label for s in specs]
     for i, s in enumerate(specs):  # the same folder name twice: make the labels differ
         if labels.count(s.label) > 1:
@@ -398,6 +423,10 @@ def run_eval(models: list[str], config_file: str | None, overrides: list[str], s
             print(interference.summary_line(spec.label, entry["interference"]))
         if "bon_frontier" in entry:
             print(bon_frontier.summary_line(spec.label, entry["bon_frontier"]))
+        if "arrol_vote" in entry:
+            from anabranch.eval.arrol_vote import summary_line as vote_line
+
+            print(vote_line(spec.label, entry["arrol_vote"]))
         if "contamination" in entry:
             from anabranch.eval.contamination import summary_line as leak_line
 

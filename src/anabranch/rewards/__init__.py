@@ -12,6 +12,7 @@ from anabranch.rewards import exploration  # noqa: F401,E402 - RLSP's exploratio
 from anabranch.rewards import gen_prm  # noqa: F401,E402 - CAPO's generative PRM critic (registration)
 from anabranch.rewards import pairwise_judge  # noqa: F401,E402 - pairwise generative judge (registration)
 from anabranch.rewards import domain_router  # noqa: F401,E402 - Guru's per-domain verifier routing (registration)
+from anabranch.rewards import ssrl_format  # noqa: F401,E402 - SSRL's format and exact-match rewards (registration)
 from anabranch.rollout import environments  # noqa: F401,E402 - env_return / env_solved (registration)
 from anabranch.rewards.compose import RewardSource, Scored, build_rewards, score, score_detailed
 from anabranch.rewards.guard import RewardError, RewardOutput

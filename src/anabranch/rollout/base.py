@@ -71,6 +71,9 @@ class Rollout:
     # [B] per response, each of those turns' action text (what the environment's step() got; HiPER's segments=tags
     # reads its <switch> tags). None: not an environment rollout.
     env_actions: Optional[list[list[str]]] = None
+    # [B] per response, each turn's context (the response-side tokens its action was sampled from) under
+    # rollout.context_compression (rollout/context_compression.py; trainer/turn_rows.py: a row per turn). None: off.
+    turn_contexts: Optional[list] = None
     # [B] per response, ARPO's tree segments (segment id, start, end) covering its response tokens; rows holding
     # the same id share those tokens (a prefix up to a branch point). rollout.arpo.attribution=hard only
     # (rollout/arpo_branching.py, algorithms/arpo.py). None: the rows share nothing by construction (the default).
@@ -229,6 +232,16 @@ def right_padded(sequences: list[list[int]], pad: int, min_width: int = 1) -> tu
     return ids, mask
 
 
+def right_padded_values(values: list[list[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    """[len(values), width] float32, row i ``values[i]`` then ``fill``: per-token floats (log-probs, advantages)
+    aligned with :func:`right_padded`'s ids of the same rows (each ``values[i]`` at most ``width`` long)."""
+    out = torch.full((len(values), width), float(fill), dtype=torch.float32)
+    for i, v in enumerate(values):
+        if v:
+            out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
 def pad_id(tokenizer, fallback: int | None = None) -> int | None:
     """The tokenizer's pad id, else ``fallback`` (callers pass their EOS: padding is masked out anyway)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fallback
@@ -266,11 +279,8 @@ def turns_rollout(tok, eos: int, prompts: list[str], enc: list[list[int]], n: in
     prompt_ids, prompt_mask = left_padded(enc, pad)
     response_ids, response_mask = right_padded(resp, pad)
     loss_mask = right_padded(trained, 0)[0]  # trained[i] is as long as resp[i]: the same width
-    sample_lp = None
-    if logps is not None:
-        sample_lp = torch.zeros(response_ids.shape)
-        for i, r in enumerate(resp):
-            sample_lp[i, :len(r)] = torch.tensor(logps[i])
+    # logps[i] is as long as resp[i]: the same width
+    sample_lp = None if logps is None else right_padded_values(logps, response_ids.shape[1])
     return Rollout(
         prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
         response_ids=response_ids, response_mask=response_mask,
@@ -278,3 +288,16 @@ def turns_rollout(tok, eos: int, prompts: list[str], enc: list[list[int]], n: in
         completions=[tok.decode(r, skip_special_tokens=True) for r in resp],
         truncated=torch.tensor(list(truncated), dtype=torch.bool), sample_log_probs=sample_lp,
         loss_mask=loss_mask, metrics=metrics, **fields)
+
+
+def leaves_rollout(tok, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,
+                   paths: list[list[int]], ended: list[bool], prompts: list[str], **fields) -> Rollout:
+    """The Rollout of a search tree's leaves (DeepSearch's MCTS, ROSE's semantic tree): row i is its prompt row
+    ``prompt_ids[i]``/``prompt_mask[i]`` (left-padded, group ``group_index[i]``) and the whole root-to-leaf path
+    ``paths[i]`` as its response, right-padded with the pad id (else 0), truncated unless ``ended[i]``, decoded into
+    ``completions``; ``fields``: the method's own Rollout fields (its tree's values or layout, metrics)."""
+    response_ids, response_mask = right_padded(paths, pad_id(tok, 0))
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   response_mask=response_mask, group_index=group_index, prompts=list(prompts),
+                   completions=[tok.decode(p, skip_special_tokens=True) for p in paths],
+                   truncated=torch.tensor([not e for e in ended], dtype=torch.bool), **fields)

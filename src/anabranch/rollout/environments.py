@@ -65,6 +65,7 @@ from anabranch.config import ConfigError, RolloutConfig
 from anabranch.registry import load_object
 from anabranch.rewards.registry import REWARDS
 from anabranch.rollout.base import BackendWrapper, Rollout, cut_at_eos, field_of_all, turns_rollout
+from anabranch.rollout.context_compression import start_compression
 from anabranch.rollout.retry_turns import feedback_ids
 
 LEDGER_SIZE = 200_000  # episodes remembered for the rewards (oldest dropped): far more than a step's
@@ -187,7 +188,7 @@ class EnvironmentBackend(BackendWrapper):
 
         enc = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         st = TurnState.start([list(enc[g]) for g in range(len(prompts)) for _ in range(n)], [])
-        ep = Episodes()
+        ep = Episodes(compression=start_compression(self))  # WebAgent-R1's compressor, None when off
         for g in range(len(prompts)):
             for _ in range(n):
                 ep.add(make_env(self.env_class, self.rows[prompts[g]]))
@@ -212,6 +213,8 @@ class EnvironmentBackend(BackendWrapper):
         of turns), recording each turn in ``ep``."""
         tok, resp, turn = self.tokenizer, st.resp, 0
         while active:
+            if ep.compression is not None:  # the contexts these actions are sampled from (trainer/turn_rows.py)
+                ep.compression.before_turn(st, active)
             got = st.continue_active(self.inner, active, budget, [], greedy, seed, turn)
             still = []
             for i, (ids, lps) in zip(active, got):
@@ -228,6 +231,8 @@ class EnvironmentBackend(BackendWrapper):
                     continue
                 go_on = ended and len(ep.turns[i]) < self.cfg.max_env_turns  # no EOS: the budget ran out
                 ob = self.observation_ids(str(obs), ids[-1]) if go_on else []
+                if go_on and ep.compression is not None:  # older observations replaced (rollout/context_compression.py)
+                    ep.compression.arrived(st, ep, i, ob, ids[-1])
                 if not go_on or len(resp[i]) + len(ob) >= budget:  # or no room for the observation and one token
                     ep.cut[i] = True  # stopped by a limit before the environment said done: truncated
                     continue
@@ -254,7 +259,8 @@ class EnvironmentBackend(BackendWrapper):
                            [st.trained[r] for r in order] if masks is None else masks,
                            [st.logps[r] for r in order] if st.has_logps else None, [ep.cut[r] for r in order],
                            metrics, env_turns=[tuple(t) for t in turns],
-                           env_actions=[list(ep.actions[r]) for r in order])
+                           env_actions=[list(ep.actions[r]) for r in order],
+                           **({} if ep.compression is None else {"turn_contexts": ep.compression.turn_contexts(order)}))
         flags = [getattr(ep.envs[r], "solved", None) for r in order]  # without it: ended done with a positive return
         solved = [bool(f) if f is not None else ep.done[r] and ret > 0 for r, f, ret in zip(order, flags, returns)]
         record_call([prompts[k // n] for k in range(rows)], ro.completions, returns, solved)
@@ -274,6 +280,7 @@ class Episodes:
     spans: list = field(default_factory=list)
     done: list = field(default_factory=list)
     cut: list = field(default_factory=list)
+    compression: object = None  # rollout.context_compression's ContextCompressor of this batch, None when off
 
     def add(self, env, turns=(), actions=(), spans=()) -> None:
         """A new row's episode, its first turns given (a prefix copied from another row) or none."""

@@ -68,7 +68,7 @@ from typing import Callable
 
 import torch
 
-from anabranch.rollout.base import Rollout, cut_at_eos, field_of_all, left_padded, pad_id, right_padded
+from anabranch.rollout.base import Rollout, cut_at_eos, field_of_all, leaves_rollout, left_padded, pad_id
 
 
 class Node:
@@ -275,16 +275,13 @@ def flat_rollout(prompt_tokens: list[list[int]], prompts: list[str], groups: lis
                  rows: list[tuple[list[int], bool, list[float]]], tokenizer) -> Rollout:
     """Row i answers prompt ``groups[i]`` with ``rows[i]`` = (response tokens, ended, per-token values; the values
     may be shorter than the response, the rest is 0)."""
-    pad = pad_id(tokenizer, 0)
-    p_ids, p_mask = left_padded([prompt_tokens[g] for g in groups], pad)
-    resp, mask = right_padded([r[0] for r in rows], pad)
-    values = torch.zeros(resp.shape, dtype=torch.float32)
+    p_ids, p_mask = left_padded([prompt_tokens[g] for g in groups], pad_id(tokenizer, 0))
+    out = leaves_rollout(tokenizer, p_ids, p_mask, torch.tensor(groups, dtype=torch.long), [r[0] for r in rows],
+                         [r[1] for r in rows], prompts)
+    out.mcts_values = torch.zeros(out.response_ids.shape, dtype=torch.float32)
     for i, r in enumerate(rows):
-        values[i, :len(r[2])] = torch.tensor(r[2], dtype=torch.float32)
-    return Rollout(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=resp, response_mask=mask,
-                   group_index=torch.tensor(groups, dtype=torch.long), prompts=list(prompts),
-                   completions=[tokenizer.decode(r[0], skip_special_tokens=True) for r in rows],
-                   truncated=torch.tensor([not r[1] for r in rows], dtype=torch.bool), mcts_values=values)
+        out.mcts_values[i, :len(r[2])] = torch.tensor(r[2], dtype=torch.float32)
+    return out
 
 
 def concat_values(rollouts: list[Rollout]) -> torch.Tensor | None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from anabranch.config import ConfigError
-from anabranch.rollout.base import Rollout, cut_at_eos, field_of_all, pad_id, right_padded
+from anabranch.rollout.base import Rollout, cut_at_eos, field_of_all, leaves_rollout, pad_id
 
 SCORES = ("cosine_entropy", "entropy")
 
@@ -144,7 +144,7 @@ def build_trees(backend, model, tokenizer, prompts: list[str], n: int, max_new_t
                                    temperature, pad)
         for g, s in enumerate(new_scores):
             scores[g].append(s)
-    out = _as_rollout(first, tops, leaves, ended, meta, tokenizer)
+    out = _as_rollout(first, leaves, ended, meta, tokenizer)
     new = max(len(prompts) * (n - 1), 1)
     out.metrics.update({
         "tree/restart_frac": restarts / new,
@@ -155,18 +155,14 @@ def build_trees(backend, model, tokenizer, prompts: list[str], n: int, max_new_t
     return out
 
 
-def _as_rollout(first: Rollout, tops, leaves, ended, meta, tokenizer) -> Rollout:
+def _as_rollout(first: Rollout, leaves, ended, meta, tokenizer) -> Rollout:
     """The leaves in the backends' layout: prompt g's n rows adjacent, responses right-padded."""
-    pad = pad_id(tokenizer, 0)
     rows = [(g, s) for g in range(len(leaves)) for s in range(len(leaves[g]))]
-    resp, mask = right_padded([leaves[g][s] for g, s in rows], pad)
     src = torch.tensor([g for g, _ in rows], dtype=torch.long)
     tree = torch.tensor([[s, meta[g][s][0], meta[g][s][1]] for g, s in rows], dtype=torch.long)
-    return Rollout(prompt_ids=first.prompt_ids[src], prompt_mask=first.prompt_mask[src], response_ids=resp,
-                   response_mask=mask, group_index=first.group_index[src], prompts=list(first.prompts),
-                   completions=[tokenizer.decode(leaves[g][s], skip_special_tokens=True) for g, s in rows],
-                   truncated=torch.tensor([not ended[g][s] for g, s in rows]), semantic_tree=tree,
-                   metrics=dict(first.metrics))
+    return leaves_rollout(tokenizer, first.prompt_ids[src], first.prompt_mask[src], first.group_index[src],
+                          [leaves[g][s] for g, s in rows], [ended[g][s] for g, s in rows], first.prompts,
+                          semantic_tree=tree, metrics=dict(first.metrics))
 
 
 def tree_round(c, prompts: list[str], cfg) -> Rollout:

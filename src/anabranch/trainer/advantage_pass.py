@@ -17,7 +17,7 @@ from anabranch.algorithms.arpo import hard_attribution
 from anabranch.algorithms.aggregation import masked_mean
 from anabranch.algorithms.kl import kl_penalty
 from anabranch.algorithms.ppl_position import ppl_position_on, ppl_position_shaping
-from anabranch.algorithms.ppo_value import response_values
+from anabranch.algorithms.ppo_value import rollout_value_columns, rollout_values, split_rollout_values
 from anabranch.algorithms.progrpo import answer_confidence, progrpo_advantages, progrpo_on, prompt_confidence
 from anabranch.algorithms.ucas import head_stats, ucas_advantages, ucas_on
 from anabranch.models.chunked_logprobs import supports_chunked_head
@@ -98,7 +98,7 @@ def _forward_passes(model, rollout: Rollout, plan, temperature: float, modules, 
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     width = rollout.response_ids.shape[1]
     lps = torch.zeros(ids.shape[0], width)
-    vals = torch.zeros(ids.shape[0], width) if values else None
+    vals = torch.zeros(ids.shape[0], width, *rollout_value_columns(modules)) if values else None
     want_stats = ucas_stats is not None
     ents = torch.zeros(ids.shape[0], width) if entropy_out is not None else None
     if want_stats:
@@ -114,7 +114,7 @@ def _forward_passes(model, rollout: Rollout, plan, temperature: float, modules, 
         if ents is not None:
             ents[mb.rows] = fo.entropy.float().cpu()
         if values:
-            vals[mb.rows] = response_values(modules, fo.hidden, width).float().cpu()
+            vals[mb.rows] = rollout_values(modules, fo.hidden, width).float().cpu()  # double critic: [b, R, 3]
         if want_stats:
             # Position P−1+t predicts response token t.
             h = fo.hidden[:, prompt_width - 1:prompt_width - 1 + width]
@@ -148,8 +148,8 @@ def compute_advantages(algo, model, rollout: Rollout, rewards: torch.Tensor, *, 
             pre["old_log_prob"] = old
         if rover:
             pre["old_vocab_mean"] = -stats["certainty"]
-        if values is not None:
-            pre["values"] = values
+        if values is not None:  # the double critic's also "value_heads" (algorithms/double_critic.py)
+            pre.update(split_rollout_values(values))
     if "ref_log_prob" in needs:
         if ref_model is None:
             raise RuntimeError("this algorithm needs reference log-probs but no reference model was loaded")

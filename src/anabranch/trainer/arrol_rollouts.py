@@ -27,13 +27,22 @@ pruning: n'·min(L, L_p) + n·(L − L_p) tokens against n'·L for n' full sampl
 
 Assumed (see algorithms/arrol.py for the paper facts): over-sampling 1.0 (n' = 2n), ρ = 0.5 (the summary's
 "usually"), prune_at as a token count (default ``max_new_tokens // 4`` when 0), the last layer's state, a
-linear head with Adam at 1e-3, warm-up 5 updates. Not implemented: the head's weighted vote at test time.
+linear head with Adam at 1e-3, warm-up 5 updates. The head's weighted vote at test time: ``anabranch eval
+--arrol-vote`` (eval/arrol_vote.py).
+
+With ``head_probe`` > 0 (trainer/arrol_probe.py), after step 4 a seeded uniform fraction of each group's pruned
+prefixes also finishes, on its own seed in forked generators (the batch and the RNG are as without it), and
+step 5 trains the head on survivors ⊕ probed rows with importance weights 1 and m/k_p: an unbiased loss over all
+n' prefixes, where the survivors alone are the head's own selection. The probed rows are judged by the
+correctness reward alone and reach nothing else.
 
 Metrics (per rank, averaged by the loop): ``arrol/pruning`` (1 once the warm-up is over), ``arrol/pruned_frac``
 (pruned / n'), ``arrol/phase1_tokens``, ``arrol/phase2_tokens``, ``arrol/tokens_saved`` (the continuation budget
 the pruned unfinished rows did not spend: an upper bound of the tokens saved against n' full samples),
 ``arrol/head_loss``, ``arrol/head_acc`` and ``arrol/head_auc`` (of the head's predictions before its update, on
-the survivors: on a pruned step the survivors are a selected sample, not a random one).
+the survivors: on a pruned step the survivors are a selected sample, not a random one); with the probe also
+``arrol/probe_tokens`` (the probed rows' continuation tokens), ``arrol/probe_rows``, ``arrol/probe_acc`` (the head
+on the probed middle of its ranking) and ``arrol/head_acc_all`` (importance-weighted: over all n' prefixes).
 """
 
 from __future__ import annotations
@@ -70,10 +79,11 @@ def prefix_features(model, rollout: Rollout, upto: int, layer: int, micro_batch_
     return torch.cat(feats)
 
 
-def continue_survivors(backend, first: Rollout, rows: list[int], budget: int, pad: int, tokenizer) -> Rollout:
+def continue_survivors(backend, first: Rollout, rows: list[int], budget: int, pad: int, tokenizer,
+                       seed: int | None = None) -> Rollout:
     """Rollout of ``first``'s rows ``rows``: a finished row as it is, an unfinished one's prefix ⊕ its continuation
     from ``backend.continue_ids`` (at most ``budget`` tokens, cut at EOS). Sampler log-probs are kept only when
-    both phases give them."""
+    both phases give them. ``seed``: passed to ``continue_ids`` (forked generators; the probe's), None: not passed."""
     sub = first.take(rows)
     open_rows = [i for i in range(len(rows)) if bool(sub.truncated[i])]
     prefixes = [sub.response_tokens(i) for i in range(len(rows))]
@@ -81,7 +91,9 @@ def continue_survivors(backend, first: Rollout, rows: list[int], budget: int, pa
     lps = [None if sub.sample_log_probs is None else sub.sample_log_probs[i, :len(prefixes[i])].tolist()
            for i in range(len(rows))]
     if open_rows and budget > 0:
-        outs = backend.continue_ids([sub.prompt_tokens(i) + prefixes[i] for i in open_rows], [budget] * len(open_rows))
+        seqs = [sub.prompt_tokens(i) + prefixes[i] for i in open_rows]
+        outs = (backend.continue_ids(seqs, [budget] * len(open_rows)) if seed is None else
+                backend.continue_ids(seqs, [budget] * len(open_rows), seed=seed))
         eos = set(backend.eos_ids)
         for i, (cont, clp) in zip(open_rows, outs):
             kept, ended = cut_at_eos(list(cont), eos)
@@ -113,6 +125,7 @@ class ARRoL:
         self.optimizer = torch.optim.Adam(self.head.parameters(), lr=self.a.head_lr)
         self.updates = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # survivors' (states, predicted p)
+        self.probe = None  # with head_probe: the round's probed pruned rows, finished (trainer/arrol_probe.Probe)
         self.metrics: dict = {}
 
     @classmethod
@@ -147,6 +160,8 @@ class ARRoL:
             self.pending = (h, self.predict(h))
             self.metrics = {"arrol/pruning": 0.0, "arrol/pruned_frac": 0.0, "arrol/tokens_saved": 0.0,
                             "arrol/phase1_tokens": float(out.response_mask.sum()), "arrol/phase2_tokens": 0.0}
+            if self.a.head_probe > 0:  # nothing pruned, nothing to probe
+                self.metrics["arrol/probe_tokens"] = 0.0
             return out
         n_prime = oversampled(cfg)
         first = backend.generate(prompts, n_prime, max_new_tokens=lp)
@@ -164,23 +179,35 @@ class ARRoL:
                         "arrol/phase1_tokens": phase1,
                         "arrol/phase2_tokens": float(out.response_mask.sum()) - float(first.response_mask[rows].sum()),
                         "arrol/tokens_saved": open_pruned * (r.max_new_tokens - lp)}
+        if self.a.head_probe > 0:  # after the survivors' continuation, on its own seed: the batch is unchanged
+            from anabranch.trainer.arrol_probe import draw_probe
+
+            self.probe = draw_probe(self, backend, tokenizer, first, h, p, keep, n_prime, r.max_new_tokens - lp)
+            self.metrics["arrol/probe_tokens"] = self.probe.tokens if self.probe is not None else 0.0
         return out
 
-    def observe(self, correct: list[float]) -> dict:
-        """The head's update on the last rollout's survivors (``correct``: their 0/1 flags, in row order);
-        returns the head's metrics (its predictions before this update). Every rank calls it each round."""
+    def observe(self, correct: list[float], probe_correct: list[float] | None = None) -> dict:
+        """The head's update on the last rollout's survivors (``correct``: their 0/1 flags, in row order), and with
+        a probe its probed rows (``probe_correct``), importance-weighted; returns the head's metrics (its
+        predictions before this update). Every rank calls it each round."""
         h, p = self.pending if self.pending is not None else (torch.zeros(0, self.head_size()), torch.zeros(0))
-        self.pending = None
+        probe, self.pending, self.probe = self.probe, None, None
         y = torch.tensor(correct, dtype=torch.float32)
         if y.numel() != h.shape[0]:
             raise RuntimeError(f"rollout.arrol: {y.numel()} correctness flags for {h.shape[0]} stored prefix states")
         metrics = dict(self.metrics)
+        w = None
+        if probe is not None:  # survivors ⊕ probed rows, weights 1 and m/k_p (trainer/arrol_probe.py)
+            from anabranch.trainer.arrol_probe import with_probe
+
+            h_all, y_all, _, w, probe_metrics = with_probe(h, y, p, probe, probe_correct or [])
+            metrics.update(probe_metrics)
         if y.numel():
             metrics["arrol/head_acc"] = float(((p >= 0.5).float() == y).float().mean())
             auc = binary_auc(p, y)
             if auc is not None:
                 metrics["arrol/head_auc"] = auc
-        loss = self.train_head(h, y)
+        loss = self.train_head(h, y) if w is None else self.train_head(h_all, y_all, w)
         if loss is not None:
             metrics["arrol/head_loss"] = loss
         metrics["arrol/head_updates"] = float(self.updates)
@@ -189,21 +216,24 @@ class ARRoL:
     def head_size(self) -> int:
         return self.model.config.hidden_size
 
-    def train_head(self, h: torch.Tensor, y: torch.Tensor) -> float | None:
+    def train_head(self, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> float | None:
         """``head_updates`` Adam steps on the mean BCE over all ranks' rows (the summed gradient and row count are
-        all-reduced under DDP); the mean loss of the first step, or None when no rank had a row."""
+        all-reduced under DDP); the mean loss of the first step, or None when no rank had a row. ``w``: per-row
+        weights (the probe's importance weights): the loss is then Σ w·BCE / Σ w over all ranks' rows."""
         h, y = h.to(self.device), y.to(self.device)
+        w = None if w is None else w.to(self.device)
+        count = y.numel() if w is None else float(w.sum())
         first = None
         params = [q for q in self.head.parameters()]
         for _ in range(max(self.a.head_updates, 1)):
             self.optimizer.zero_grad(set_to_none=False)
             with torch.autocast(device_type=self.device.type, enabled=False), torch.enable_grad():
-                loss = head_loss_sum(self.head(h), y) if y.numel() else sum(q.sum() * 0.0 for q in params)
+                loss = head_loss_sum(self.head(h), y, w) if y.numel() else sum(q.sum() * 0.0 for q in params)
                 loss.backward()
-            count, loss_total = all_reduce_grads(params, self.dist, y.numel(), loss.detach())
-            if count == 0:
+            total, loss_total = all_reduce_grads(params, self.dist, count, loss.detach())
+            if total == 0:
                 return None
-            first = float(loss_total[0]) / count if first is None else first
+            first = float(loss_total[0]) / total if first is None else first
             self.optimizer.step()
         self.updates += 1
         return first
@@ -227,7 +257,12 @@ def arrol_observe(c, batch) -> None:
     survivors' right/wrong flags (the correctness reward's full credit, as dynamic sampling counts them)."""
     from anabranch.eval.accuracy import batch_correct
 
-    batch.metrics.update(c.arrol.observe(batch_correct(batch, c.rewards)))
+    probe_y = None
+    if c.arrol.probe is not None:  # the probed pruned rows: judged here, for the head only (trainer/arrol_probe.py)
+        from anabranch.trainer.arrol_probe import probe_correct
+
+        probe_y = probe_correct(c, c.arrol.probe, batch)
+    batch.metrics.update(c.arrol.observe(batch_correct(batch, c.rewards), probe_y))
 
 
 def check_config(cfg) -> None:
@@ -252,7 +287,12 @@ def check_config(cfg) -> None:
         (a.head_updates >= 1, "head_updates", "must be >= 1"),
         (a.warmup_steps >= 1, "warmup_steps", "must be >= 1 (the head trains before it prunes)"),
     ]
-    error = first_failed(own, "rollout.arrol", a) or branching_rollout_refusals(
+    from anabranch.trainer.arrol_probe import check_probe
+
+    error = first_failed(own, "rollout.arrol", a)
+    if error is None and (probe_error := check_probe(cfg)) is not None:  # after own: it reads n' − n
+        error = f"rollout.arrol.{probe_error}"
+    error = error or branching_rollout_refusals(
         cfg, "rollout.arrol.enabled", "but ARRoL's survivors are selected by the quality head, not such draws",
         why={"backend": "the two-phase rollout is implemented and tested with the hf sampler only",
              "tools": "a tool output inside the prefix is not the policy's text, and the continuation would not run "

@@ -135,7 +135,8 @@ def score_rollout(c, rollout: Rollout, rows: list, cfg, step: int | None = None,
                        metrics={**rollout.metrics, **scored.metrics})
 
 
-def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int = 1, dist=None) -> ScoredBatch:
+def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int = 1, dist=None,
+                   commit: bool = True) -> ScoredBatch:
     """:func:`generate_scored`, then with ``rollout.extra_rollouts=dars`` the hard prompts' extra
     samples appended to their groups (trainer/extra_rollouts.py), before any dynamic-sampling filter
     (the DARS authors' code judges the enlarged groups). Then the stateful rewards' observations of the
@@ -153,7 +154,8 @@ def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int 
         from anabranch.algorithms.prof import prof_filter
 
         batch = prof_filter(batch, c.rewards, cfg.algorithm.prof_keep)
-    commit_reward_states(c.rewards, dist)  # OLR's visits, LASER-D's window: training rollouts only
+    if commit:  # async rollouts (trainer/async_rollouts.py) commit in the main thread when the batch is taken
+        commit_reward_states(c.rewards, dist)  # OLR's visits, LASER-D's window: training rollouts only
     return batch
 
 
@@ -350,6 +352,8 @@ def concat_batches(batches: list[ScoredBatch]) -> ScoredBatch:
         attempt_correct=_attempts([r.attempt_correct for r in rs]), process_rewards=_process_rewards(rs),
         env_turns=concat_env_turns([r.env_turns for r in rs]),  # rollout.environment's turns (GiGPO)
         env_actions=concat_env_turns([r.env_actions for r in rs], "action texts (Rollout.env_actions)"),  # HiPER
+        # WebAgent-R1's per-turn sampling contexts (rollout/context_compression.py)
+        turn_contexts=concat_env_turns([r.turn_contexts for r in rs], "turn contexts (Rollout.turn_contexts)"),
         semantic_tree=concat_trees(rs),  # ROSE's tree rows (rollout/semantic_tree.py)
         mcts_values=concat_values(rs),  # DeepSearch's node values (rollout/mcts_search.py)
         branch_segments=concat_branch_segments(rs),  # rollout.arpo's shared spans (hard attribution)

@@ -124,6 +124,10 @@ def build(cfg: Config, mixed_precision: str = "no") -> Components:
         backend.share_prompt_prefix = cfg.trainer.share_prompt_prefix
     # multi-turn rollouts when rollout.tools is set; the policy: rollout.arpo's entropies (branching training rollouts)
     backend = with_tools(backend, tokenizer, cfg.rollout, policy=model)
+    if cfg.rollout.self_search.enabled:  # SSRL: <information> spans out of the loss, sim2real at evaluation
+        from anabranch.rollout.self_search import with_self_search
+
+        backend = with_self_search(backend, tokenizer, cfg.rollout)
     backend = with_retry_turns(backend, tokenizer, cfg, train_rows, train_prompts,  # rollout.retry_turns (UFO)
                                answers=retry_answers)  # the table check_data built, not built again
     backend = with_environment(backend, tokenizer, cfg, env_table)  # rollout.environment's episodes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from anabranch.eval.accuracy import correct_flags, correctness_source, greedy_ac
 from anabranch.eval.answers import extract_answer
 from anabranch.eval.collapse import collapse_report
 from anabranch.eval.diversity import group_distinct_answers
+from anabranch.rollout.self_search import evaluation_backend  # SSRL's sim2real held-out eval
 from anabranch.trainer.advantage_pass import compute_advantages
 from anabranch.trainer.checkpoint import export_hf
 from anabranch.trainer.sharded_state import full_model_state
@@ -60,6 +62,8 @@ from anabranch.trainer.ref_reset import RefReset
 from anabranch.trainer.resume import Checkpointer
 from anabranch.trainer.rorecomp import RoRecomp
 from anabranch.trainer.spear_replay import Spear
+from anabranch.trainer.turn_rows import TurnRows
+from anabranch.trainer.async_rollouts import AsyncRollouts
 from anabranch.trainer.run_dir import RunDir
 from anabranch.trainer.curriculum import build_sampler
 from anabranch.trainer.mixture_step import mixture_step
@@ -81,11 +85,11 @@ def train(cfg: Config) -> TrainResult:
 
     SIGINT/SIGTERM stop it after the current step with a checkpoint, and too many non-finite
     steps in a row stop it too: both raise :class:`~anabranch.trainer.signals.RunStopped`."""
-    with GracefulStop() as stop:
-        return _train(cfg, stop)
+    with GracefulStop() as stop, contextlib.ExitStack() as on_exit:  # on_exit: background threads joined
+        return _train(cfg, stop, on_exit)
 
 
-def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
+def _train(cfg: Config, stop: GracefulStop, on_exit: contextlib.ExitStack | None = None) -> TrainResult:
     # Every check load_config runs, again for a Config built in code: refused before any model loads.
     check_whole_config(cfg)
     quiet_libraries()
@@ -146,10 +150,16 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
     ref_reset = RefReset.create(cfg, dist, c)  # ProRL (trainer/ref_reset.py): None unless algorithm.ref_reset_every
     rorecomp = RoRecomp.create(cfg, dist, c)  # RoRecomp (trainer/rorecomp.py): None unless algorithm.rorecomp_fraction
     spear = Spear.create(cfg, dist, c)  # SPEAR (trainer/spear_replay.py): None unless algorithm.spear.enabled
+    # WebAgent-R1 (trainer/turn_rows.py): None unless rollout.context_compression.enabled; then one update row per turn
+    turn_rows = TurnRows.create(cfg, dist, c)
     arrol = ARRoL.create(cfg, dist, c)  # ARRoL (trainer/arrol_rollouts.py): None unless rollout.arrol.enabled
     deepsearch = DeepSearch.create(cfg, dist, c)  # DeepSearch's solution cache: None unless rollout.mcts.enabled
     # INSPO (trainer/instruction_population.py): None unless task.inspo.enabled; c.inspo draws the instructions
     inspo = InstructionPopulation.create(cfg, dist, c, run)
+    # One-step-off-policy rollouts (trainer/async_rollouts.py): None unless trainer.async_rollouts.enabled
+    async_ro = AsyncRollouts.create(cfg, dist, c)
+    if async_ro is not None and on_exit is not None:
+        on_exit.callback(async_ro.close)  # an error in the main thread joins the generation thread
 
     def evaluate(tag: str, step: int) -> float | None:
         if not c.eval_rows:
@@ -162,7 +172,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 progress.write(f"held-out eval ({tag}) skipped: {skip}")
             return None
         with dist.autocast():
-            res = greedy_accuracy(c.backend, c.eval_prompts, c.eval_rows, c.rewards, eval_tokens)
+            # SSRL's sim2real: the search tool's loop (rollout/self_search.py); else c.backend itself
+            res = greedy_accuracy(evaluation_backend(c.backend), c.eval_prompts, c.eval_rows, c.rewards,
+                                  eval_tokens)
         key = "accuracy" if "accuracy" in res else "reward"
         logged = {f"eval/{key}": res[key]}
         if cfg.task.mixture:  # eval/<source>/accuracy (or /reward) next to the overall number
@@ -192,6 +204,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                                   # DeepSearch's solution cache (algorithms/deepsearch.py; gathered under DDP)
                                   **({"deepsearch": deepsearch} if deepsearch is not None else {}),
                                   **({"inspo": inspo} if inspo is not None else {}),  # INSPO's instructions, scores
+                                  # async rollouts: the pending batch's prompts (regenerated on resume)
+                                  **({"async_rollouts": async_ro} if async_ro is not None else {}),
                                   # SEELE's stored per-prompt hint ratios (scaffold.schedule=irt, algorithms/hint_irt.py)
                                   **({"scaffold_irt": scaffold.irt} if scaffold is not None and scaffold.irt is not None
                                      else {}),
@@ -238,12 +252,15 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             # generate + score (+ DAPO overlong shaping, dynamic sampling); whole prompt groups per rank
             if cfg.rollout.temperature_schedule != "constant":  # EAD's d_s: s = training steps done, exact on resume
                 c.backend.schedule_step = step - 1
-            batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
+            if async_ro is None:
+                batch = collect_batch(c, dist.rank_sampler(sampler), cfg, dist, group_filter=std_filter, step=step)
+            else:  # generated during the last step (one version behind); the next one is launched here
+                batch = async_ro.next_batch(step, sampler)
             if inspo is not None:  # INSPO: scores from every rank's rollouts; prune + propose when due
                 batch.metrics.update(inspo.step(step))
             # The step's method results, (method, result), folded into the update below: a batch rewriter's
             # .batch, and where present .precomputed(pre), .extra_loss(method, model, dist), .metrics, .pre_correct
-            parts = []
+            parts = [] if async_ro is None else [(async_ro, async_ro.part)]  # its behaviour log-probs, async/*
             # RECAP: this step's weights (from the steps before), its replay rows, and the RL error measured
             # here, before Guide/scaffolding/AMPO/SCOPE put hinted or teacher rows in the failed rows' places
             if recap is not None:
@@ -271,6 +288,8 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 batch = parts[-1][1].batch
             # DSDR (algorithms/dsdr.py): diversity bonus of correct responses, before the advantages
             dsdr_weight = apply_dsdr(c.algo.cfg, batch, acc_src, dist)
+            if spear is not None:  # SPEAR's tool-call reward curriculum (tool_reward.coef > 0), before the advantages
+                spear.tool_reward(batch, step)
             rollout, rows, total, per_source, rewards = (batch.rollout, batch.rows, batch.total, batch.per_source,
                                                          batch.rewards)
             t_gen = batch.t_generate
@@ -280,7 +299,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 helper.micro_batch_tokens = micro_tokens
             # Advantages from every sample's real reward (a truncated one still counts in its group's
             # mean and std); DAPO's overlong filter then masks truncated samples out of the loss only.
-            adv = compute_advantages(c.algo, c.model, rollout, rewards,
+            # (turn rows: the per-token passes run in the update, on the rows, not here on the trajectories)
+            adv_algo = c.algo if turn_rows is None else turn_rows.advantage_algo
+            adv = compute_advantages(adv_algo, c.model, rollout, rewards,
                                      micro_batch_size=cfg.trainer.micro_batch_size,
                                      temperature=cfg.rollout.temperature, ref_model=c.ref_model, modules=c.modules,
                                      kl_controller=kl_ctl, share_prompt_prefix=cfg.trainer.share_prompt_prefix,
@@ -325,6 +346,9 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
             if spear is not None:  # SPEAR: this step's rows + due replayed wins (recalibrated, Clip-Cov); wins enter
                 train_rollout, advantages, precomputed, update_rewards = spear.step(
                     batch, train_rollout, advantages, precomputed, rewards, step, micro_tokens)
+            if turn_rows is not None:  # WebAgent-R1: each turn a row under its own compressed context, M-GRPO's weights
+                train_rollout, advantages, precomputed, update_rewards = turn_rows.step(
+                    batch, train_rollout, advantages, precomputed, update_rewards)
             # Extra loss terms (DPH-RL, HPT, RL-PLUS, RLTF-SD): under DDP every rank builds each, as they all-reduce
             extra_loss = combine_extra_losses(
                 None if rehearsal is None else rehearsal.extra_loss(dist.policy(c.model), step, dist.active),
@@ -343,6 +367,11 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
                 extra_loss=extra_loss,
                 rl_loss_scale=1.0 if recap is None else recap.rl_scale,  # RECAP's λ_rl / K
             )
+            if spear is not None:  # SPEAR replay_step=separate: the replayed rows' own optimizer step ({} otherwise)
+                replay = spear.replay_update(c, dist, cfg, micro_tokens, oom_retry=gpu_budget is not None)
+                # a non-finite replay step counts in the non-finite guard (trainer/nonfinite.py) as the update's do
+                metrics["skipped_updates"] = metrics.get("skipped_updates", 0.0) + replay.get("spear/replay/skipped", 0)
+                batch.metrics.update(replay)
         if gpu_budget is not None:
             gpu_budget.after_update(int(metrics["update/max_micro_batch_tokens"]))
             metrics.update(gpu_budget.metrics())
@@ -354,7 +383,7 @@ def _train(cfg: Config, stop: GracefulStop) -> TrainResult:
         if ref_reset is not None:  # after the optimizer step: π_ref ← π_θ (and a fresh optimizer) on the interval
             metrics.update(ref_reset.after_update(step))
         t_sync = time.perf_counter()
-        c.backend.sync_weights(c.model)
+        c.backend.sync_weights(c.model) if async_ro is None else async_ro.after_update(c.model)
         # batch.metrics last: a batch rewriter's .metrics is the batch's at its step (its keys are in the batch's)
         metrics.update({**adv.metrics, **{k: v for _, part in parts for k, v in getattr(part, "metrics", {}).items()},
                         **batch.metrics})

@@ -16,29 +16,36 @@ trainer/step.py reads, the per-rank checkpoint state, the shared refusals). At t
    (the precomputed ``old_log_prob`` or a no-grad pass before the update), their reward and precomputed tensors;
    the oldest rows beyond ``buffer_size`` are dropped. They never replay in the step that sampled them.
 
-The step trains all its own rows as without SPEAR, plus the replayed ones. Under DDP (W processes) the buffer
+The step trains all its own rows as without SPEAR, plus the replayed ones: with ``replay_step=joint`` (the default)
+in its one update, with ``replay_step=separate`` in a second optimizer step after the on-policy one, on the replayed
+rows alone (trainer/spear_update.py; the loop's ``replay_update`` hook; under DDP all ranks take it or none: it is
+due when any rank has K rows waiting, one gather per step, and a rank short of K replays the rows it has, none
+being one row without trained tokens). With ``tool_reward.coef > 0`` the loop's
+``tool_reward`` hook adds the decayed tool-call bonus to each row's reward before the advantages. Under DDP (W processes) the buffer
 is per rank (each rank keeps its own groups' wins, ⌈size/W⌉ rows, replays ⌈K/W⌉), the baseline global; FSDP /
 ZeRO-3 are refused (ranks would train different numbers of rows). Checkpoint/resume: stateful ``spear`` in
 ``trainer_state.pt``, every rank's buffer (each restores its own) and the baseline history.
 
 Refused at config load (``check_config``): RoRecomp together (both recompose the trained rows), the objectives
 RoRecomp refuses for reading group statistics from the update's own rows or matching a distribution over
-unbiased draws (replayed rows are neither a whole group nor this policy's draws), and methods that rebuild the
-step's rows by position.
+unbiased draws (replayed rows are neither a whole group nor this policy's draws), methods that rebuild the
+step's rows by position, and ``tool_reward.coef > 0`` without rollout.tools (nothing to count).
 """
 
 from __future__ import annotations
 
 import torch
 
-from anabranch.algorithms.spear import (RECALIBRATIONS, BaselineHistory, covariance_keep, group_reward_stats,
-                                        recalibrated, replay_coef)
+from anabranch.algorithms.spear import (RECALIBRATIONS, REPLAY_STEPS, BaselineHistory, covariance_keep,
+                                        group_reward_stats, recalibrated, replay_coef, tool_bonus, tool_calls,
+                                        tool_reward_weight)
 from anabranch.config import ConfigError
 from anabranch.range_checks import first_failed
 from anabranch.rollout.base import Rollout
 from anabranch.trainer.advantage_pass import rollout_forward
 from anabranch.trainer.replay import Chunk, ReplayMethod, mark_rows, merge, replay_refusal, step_chunk
 from anabranch.trainer.rorecomp import Recomposed, compensation_rows
+from anabranch.trainer.spear_update import empty_rows, separate_update
 
 _OFF = "algorithm.spear.enabled=false"
 
@@ -59,7 +66,8 @@ def check_config(cfg) -> None:
         (s.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
         (0 <= s.cov_clip_ratio <= 1, "cov_clip_ratio", "must be in [0, 1] (0: no covariance clipping)"),
         (s.cov_clip_low <= s.cov_clip_high, "cov_clip_low", "must be <= algorithm.spear.cov_clip_high"),
-    ], "algorithm.spear", s)
+        (s.replay_step in REPLAY_STEPS, "replay_step", f"must be one of {REPLAY_STEPS}"),
+    ], "algorithm.spear", s) or check_tool_reward(cfg)
     if error:
         raise ConfigError(error)
     if (k := replay_rows(cfg)) > s.buffer_size:
@@ -72,6 +80,26 @@ def check_config(cfg) -> None:
                            "this step's groups plus replayed single winners of earlier groups (earlier policies')")
     if error:
         raise ConfigError(error)
+
+
+def check_tool_reward(cfg) -> str | None:
+    """The tool-call reward's refusal text, or None: key ranges, rollout.tools, knobs set while coef = 0."""
+    t = cfg.algorithm.spear.tool_reward
+    error = first_failed([
+        (t.coef >= 0, "coef", "must be >= 0 (0: no tool-call reward)"),
+        (t.cap > 0, "cap", "must be > 0"),
+        (t.decay_steps >= 0, "decay_steps", "must be >= 0 (0: no decay)"),
+    ], "algorithm.spear.tool_reward", t)
+    if error:
+        return error
+    if t.coef > 0 and not cfg.rollout.tools:
+        return ("algorithm.spear.tool_reward.coef > 0 without rollout.tools: the bonus counts the tool calls of "
+                "each response, and a rollout without tools has none; set rollout.tools (e.g. [python]) or "
+                "algorithm.spear.tool_reward.coef=0")
+    if t.coef == 0 and t != type(t)():
+        return (f"algorithm.spear.tool_reward={t} has no effect with tool_reward.coef=0 (the bonus is off); "
+                "set algorithm.spear.tool_reward.coef > 0 or leave the section at its defaults")
+    return None
 
 
 def replay_rows(cfg) -> int:
@@ -98,6 +126,9 @@ class Spear(ReplayMethod):
         self.dist = dist if dist is not None and dist.world_size > 1 else None
         self._setup_replay(cfg, dist, model, replay_rows(cfg), s.buffer_size, s.max_age)
         self.history = BaselineHistory(s.baseline_groups)
+        # replay_step=separate: (chunk, Â, c_k) of the rows this step replays, trained by replay_update after the
+        # on-policy update; None otherwise (joint mode never sets it).
+        self.pending = None
 
     @classmethod
     def create(cls, cfg, dist=None, c=None) -> "Spear | None":
@@ -157,7 +188,13 @@ class Spear(ReplayMethod):
             means, stds = [x for m, _ in parts for x in m], [x for _, s in parts for x in s]
         self.history.add(step, means, stds)
         dropped = self._keep_wins()
-        due = self.buffer.pop(self.k) if len(self.buffer) >= self.k else []
+        self.pending = None
+        ready = len(self.buffer) >= self.k
+        if self.s.replay_step == "separate" and self.dist is not None:
+            # The replay step's policy_update holds collectives (normalizers, DDP's all-reduce): every rank takes it
+            # when any rank has K rows due, a rank short of K with the rows it has (none: empty_rows).
+            ready = any(self.dist.gather_objects(ready))
+        due = self.buffer.pop(self.k) if ready else []
         # Admission: the row's own advantage > 0 and, recalibrated now, still > 0 (p50: R > b).
         mask = train_rollout.trained_mask.cpu()
         wins = (row_advantage(whole.advantages, mask) > 0) & (self._advantages(whole) > 0)
@@ -169,7 +206,14 @@ class Spear(ReplayMethod):
         metrics = {"spear/replayed_rows": 0.0, "spear/replay_coef": 0.0, "spear/replay_advantage": 0.0,
                    "spear/cov_clipped_frac": 0.0}
         out = whole
-        if due:
+        if ready and self.s.replay_step == "separate":  # trained alone after the on-policy update (replay_update)
+            chunk = merge(due) if due else empty_rows(whole)  # empty: a DDP rank with no row due joins the step
+            adv_row = self._advantages(chunk) if due else torch.zeros(1)
+            coef = replay_coef(step, self.s.coef, self.s.warmup_steps)
+            self.pending = (chunk, adv_row, coef)
+            metrics.update({"spear/replayed_rows": float(len(chunk)) if due else 0.0, "spear/replay_coef": coef,
+                            "spear/replay_advantage": float(adv_row.mean())})
+        elif due:
             replayed, m = self._replayed(due, step, micro_tokens)
             fresh = whole.take(list(range(n)))
             mark_rows(fresh, None)
@@ -183,6 +227,30 @@ class Spear(ReplayMethod):
         # ranks that log it) each is a mean over all W.
         batch.metrics.update(metrics)
         return Recomposed(out.rollout, out.advantages, out.precomputed, out.rewards)
+
+    def replay_update(self, c, dist, cfg, micro_tokens: int = 0, oom_retry: bool = False) -> dict:
+        """replay_step=separate: the pending replayed rows' own optimizer step (trainer/spear_update.py), after the
+        on-policy update; its metrics (spear/replay/..., spear/cov_clipped_frac). {} when nothing is pending."""
+        if self.pending is None:
+            return {}
+        chunk, adv_row, coef = self.pending
+        self.pending = None
+        return separate_update(self, chunk, adv_row, coef, c, dist, cfg, micro_tokens, oom_retry)
+
+    def tool_reward(self, batch, step: int) -> None:
+        """The tool-call curriculum on a scored batch before its advantages: ``batch.total`` += w_k·min(coef·n_i,
+        cap), logged as the reward source ``spear_tool_call``; nothing while tool_reward.coef = 0."""
+        t = self.s.tool_reward
+        if t.coef == 0:
+            return
+        ro = batch.rollout
+        calls = tool_calls(ro.response_mask.cpu(), ro.trained_mask.cpu())
+        w = tool_reward_weight(step, t.decay_steps)
+        bonus = tool_bonus(calls, t.coef, t.cap, w)
+        batch.total = [r + b for r, b in zip(batch.total, bonus.tolist())]
+        batch.per_source = {**batch.per_source, "spear_tool_call": bonus.tolist()}
+        batch.metrics = {**batch.metrics, "spear/tool_reward_weight": w, "spear/tool_calls_mean": float(calls.mean()),
+                         "spear/tool_bonus_mean": float(bonus.mean())}
 
     def state_dict(self) -> dict:
         """Every rank's buffer and the (global) baseline history (a collective under DDP: called on every rank)."""

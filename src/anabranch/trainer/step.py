@@ -29,6 +29,7 @@ from anabranch.algorithms.exploration import shape_advantages
 from anabranch.algorithms.guide import behaviour_old_log_prob
 from anabranch.algorithms.off_policy_split import off_policy_inputs, shaped_objective
 from anabranch.algorithms.calibrl import calibrl_loss
+from anabranch.algorithms.decoupled_ppo import decoupled_advantages
 from anabranch.algorithms.alp import alp_context, alp_metrics
 from anabranch.algorithms.resolve import Algorithm
 from anabranch.models.shared_prefix import supports_shared_prefix
@@ -151,7 +152,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         old_lp = old_lp.to(device)
     elif "old_log_prob" in algo.needs:
         old_lp = no_grad_log_probs(model, rollout, micro_batch_size, temperature, plan, share_prefix)
-    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean")}
+    extras = {k: v.to(device) for k, v in pre.items() if k in ("values", "returns", "old_vocab_mean", "value_heads")}
     if algo.precompute is not None:  # the objective's batch-wide inputs, over the tokens this update trains
         # dist: a hook may reduce over every rank's batch (ReasonMaxxer's global gate); a collective on every rank.
         extras.update(algo.precompute(cfg, pre, resp_mask, rewards, rollout.group_index, dist=dist))
@@ -164,6 +165,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     # of the step that sampled them (trainer/rorecomp.py), which also stay out of this step's sampler correction.
     behaviour_lp, behaviour_rows = pre.get("behaviour_log_prob"), pre.get("behaviour_rows")
     stale_rows = pre.get("stale_rows")
+    # Async rollouts (trainer/async_rollouts.py): the behaviour policy's log-probs, (cap, mode) of AReaL's weight.
+    dec_lp, dec_cap = pre.get("decoupled_behaviour_log_prob"), pre.get("decoupled_weight_cap")
     # AMPO's injected teacher rows ([B], trainer/ampo_step.py) or SCOPE's rectifier tokens ([B, R],
     # trainer/scope_rollouts.py), trained with the shaped term (algorithms/off_policy_split.py); else None.
     off_split = off_policy_inputs(pre, cfg)
@@ -247,6 +250,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                 # Rollouts from another engine (vLLM): log the mismatch, optionally correct it (TIS).
                 adv, mismatch = sampler_correction(old, sample_lp, m, advantages[sl], cfg.tis_cap,
                                                    None if stale_rows is None else stale_rows[mb.rows])
+                if dec_lp is not None:  # decoupled PPO (algorithms/decoupled_ppo.py): Â·w, w = π_prox/π_behav capped
+                    adv, dec_metrics = decoupled_advantages(adv, old, dec_lp[mb.rows], m, *dec_cap)
+                    mismatch.update(dec_metrics)
                 if er_pass is not None:  # before the entropy controls: its |Â|/κ clip reads the estimator's Â
                     adv = er_pass.shape(adv, fo.hidden, m, mb.rows, rollout.prompt_ids.shape[1])
                 if lf_pass is not None:  # RLFR: Â + the flow reward's reward-to-go (online fit of the correct rows)
