@@ -11,25 +11,9 @@ import torch
 
 from anabranch.algorithms.arrol import balanced_keep, binary_auc, keep_count
 from anabranch.config import ConfigError, load_config
-from anabranch.rollout.base import Rollout
 from anabranch.trainer import arrol_rollouts
 from anabranch.trainer.arrol_rollouts import ARRoL
-
-EOS, PAD = 3, 0
-
-
-class FakeModel(torch.nn.Module):
-    """Only what ARRoL's state reads of the policy: a device and config.hidden_size."""
-
-    def __init__(self, hidden_size):
-        super().__init__()
-        self.config = SimpleNamespace(hidden_size=hidden_size)
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-
-def arrol_cfg(*extra):
-    return load_config(None, ["rollout.arrol.enabled=true", "rollout.n=2", "rollout.max_new_tokens=5",
-                              "rollout.arrol.prune_at=2", *extra])
+from arrol_fixtures import EOS, PAD, FakeModel, ScriptedBackend, Tok, arrol_cfg, phase_one
 
 
 def hand_head(state, weight, bias=0.0):
@@ -111,54 +95,17 @@ def test_state_round_trips():
 
 # ----------------------------------------------------------------------------- the two-phase rollout
 
-class Tok:
-    pad_token_id = PAD
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids if not (skip_special_tokens and i in (EOS, PAD)))
-
-
-class ScriptedBackend:
-    eos_ids = [EOS]
-
-    def __init__(self, first, continuations):
-        self.first, self.continuations = first, continuations
-        self.generated, self.continued = [], []
-
-    def generate(self, prompts, n, max_new_tokens=None):
-        self.generated.append((n, max_new_tokens))
-        return self.first(prompts, n)
-
-    def continue_ids(self, sequences, max_new):
-        self.continued.append((sequences, max_new))
-        return [(row[:b], [-0.5 - 0.1 * j for j in range(len(row[:b]))])
-                for row, b in zip(self.continuations, max_new)]
-
-
-def phase_one(prompts, n):
-    """Two prompts ([pad, 1] and [2, 4]), n' = 4 prefixes each of at most 2 tokens; rows 2 and 3 ended."""
-    assert n == 4 and len(prompts) == 2
-    resp = [[5, 6], [7, 8], [9, EOS], [10, EOS], [11, 12], [13, 14], [15, 16], [17, 18]]
-    mask = [[1, 1]] * 8
-    return Rollout(prompt_ids=torch.tensor([[PAD, 1]] * 4 + [[2, 4]] * 4),
-                   prompt_mask=torch.tensor([[0, 1]] * 4 + [[1, 1]] * 4),
-                   response_ids=torch.tensor(resp), response_mask=torch.tensor(mask),
-                   group_index=torch.arange(2).repeat_interleave(4), prompts=list(prompts),
-                   completions=[""] * 8, truncated=torch.tensor([1, 1, 0, 0, 1, 1, 1, 1]).bool(),
-                   sample_log_probs=-torch.arange(16, dtype=torch.float32).view(8, 2) / 10)
-
-
 def test_two_phase_rollout_keeps_prefix_plus_continuation_of_the_survivors(monkeypatch):
     h = torch.tensor([[3.0], [1.0], [0.0], [-3.0], [-2.0], [2.0], [0.5], [-0.5]])
     monkeypatch.setattr(arrol_rollouts, "prefix_features", lambda model, rollout, upto, layer, micro, tokens: h)
     state = ARRoL(arrol_cfg("rollout.arrol.warmup_steps=1"), FakeModel(1))
     hand_head(state, [[1.0]])
     state.updates = 1  # past the warm-up
-    backend = ScriptedBackend(phase_one, [[20, EOS, PAD], [21, 22, 23, 24], [25, EOS]])
+    backend = ScriptedBackend([[[20, EOS, PAD], [21, 22, 23, 24], [25, EOS]]])
     out = state.generate(backend, Tok(), ["p", "q"], state.cfg)
     assert backend.generated == [(4, 2)]  # n' = 2·(1 + 1) prefixes of prune_at = 2 tokens
     # group 0 keeps the top (row 0, h = 3) and the bottom (row 3, h = −3, already ended); group 1 rows 5 and 4
-    seqs, budgets = backend.continued[0]
+    seqs, budgets, _ = backend.continued[0]
     assert seqs == [[1, 5, 6], [2, 4, 11, 12], [2, 4, 13, 14]]  # unpadded prompt ⊕ prefix of the open survivors
     assert budgets == [3, 3, 3]  # max_new_tokens − prune_at
     assert out.response_ids.tolist() == [[5, 6, 20, EOS, PAD], [10, EOS, PAD, PAD, PAD],
@@ -190,7 +137,7 @@ def test_no_pruning_during_the_warm_up(monkeypatch):
         assert n == 2
         return phase_one(prompts, 4).take([0, 1, 4, 5])
 
-    backend = ScriptedBackend(plain, [])
+    backend = ScriptedBackend([[[20, EOS]]], first=plain)  # a script for the pruning round after the warm-up
     for step in range(2):
         out = state.generate(backend, Tok(), ["p", "q"], state.cfg)
         assert out.response_ids.shape[0] == 4 and state.metrics["arrol/pruning"] == 0.0
@@ -299,46 +246,24 @@ def toy_rounds():
     return [(h[0], y[0], 3), (h[1], y[1], 0)]
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    from two_process import join_gloo
-
-    join_gloo(rank, world, port)
-
-    def all_reduce_sum(t):
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return t
-
-    state = ARRoL(arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2"), FakeModel(4),
-                  SimpleNamespace(world_size=world, all_reduce_sum=all_reduce_sum))
-    losses = []
-    for h, y, cut in toy_rounds():
-        mine = slice(0, cut) if rank == 0 else slice(cut, None)
-        losses.append(state.train_head(h[mine], y[mine]))
-    torch.save({"head": state.head.state_dict(), "losses": losses}, Path(out) / f"rank{rank}.pt")
-
-
-def test_two_ranks_train_the_one_process_head(tmp_path):
-    from two_process import spawn_two
-
-    spawn_two(_ddp_worker, str(tmp_path))
-    single = ARRoL(arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2"), FakeModel(4))
-    losses = [single.train_head(h, y) for h, y, _ in toy_rounds()]
-    for r in range(2):
-        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)  # the mean BCE over both ranks' rows
-        for k, v in single.head.state_dict().items():
-            assert torch.allclose(got["head"][k], v, atol=1e-6), k
-
-
-# ----------------------------------------------------------------------------- DDP: the probe's weighted head step
-
 # Per-row importance weights of the two toy rounds (1: a survivor, m/k_p: a probed row): rank 0's rows of round 1
 # weigh 3 in all, rank 1's 11, so a per-rank Σw (or a plain row count) in the division would give another step.
 PROBE_WEIGHTS = [torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0]),
                  torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])]
 
 
-def _ddp_probe_worker(rank: int, world: int, port: int, out: str) -> None:
+def head_cfg(weights):
+    """The toy head's config; with per-row weights, the probe is on (rollout.arrol.head_probe) as it would be."""
+    probe = [] if weights is None else ["rollout.arrol.head_probe=0.5"]
+    return arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2", *probe)
+
+
+def toy_round_weights(weights):
+    """Each toy round's per-row weights: ``weights``' own, or None (the unweighted step) for both rounds."""
+    return [None, None] if weights is None else weights
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, weights=None) -> None:
     from two_process import join_gloo
 
     join_gloo(rank, world, port)
@@ -347,32 +272,33 @@ def _ddp_probe_worker(rank: int, world: int, port: int, out: str) -> None:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         return t
 
-    state = ARRoL(arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2",
-                            "rollout.arrol.head_probe=0.5"), FakeModel(4),
-                  SimpleNamespace(world_size=world, all_reduce_sum=all_reduce_sum))
+    state = ARRoL(head_cfg(weights), FakeModel(4), SimpleNamespace(world_size=world, all_reduce_sum=all_reduce_sum))
     losses = []
-    for (h, y, cut), w in zip(toy_rounds(), PROBE_WEIGHTS):
+    for (h, y, cut), w in zip(toy_rounds(), toy_round_weights(weights)):
         mine = slice(0, cut) if rank == 0 else slice(cut, None)
-        losses.append(state.train_head(h[mine], y[mine], w[mine]))
-    torch.save({"head": state.head.state_dict(), "losses": losses}, Path(out) / f"probe{rank}.pt")
+        losses.append(state.train_head(h[mine], y[mine], None if w is None else w[mine]))
+    torch.save({"head": state.head.state_dict(), "losses": losses}, Path(out) / f"rank{rank}.pt")
 
 
-def test_two_ranks_take_the_one_process_importance_weighted_head_step(tmp_path):
-    # docs/distributed.md: with head_probe, Σ w·BCE and Σ w take the place of the BCE sum and the row count in the
-    # head's all-reduce, so the two ranks' step is the one-process step on the union of their rows
+@pytest.mark.parametrize("weights", [None, PROBE_WEIGHTS], ids=["plain", "probe_importance_weighted"])
+def test_two_ranks_take_the_one_process_head_step(tmp_path, weights):
+    # plain: the mean BCE over both ranks' rows. Weighted (docs/distributed.md): with head_probe, Σ w·BCE and Σ w
+    # take the place of the BCE sum and the row count in the head's all-reduce, so the two ranks' step is the
+    # one-process step on the union of their rows
     from two_process import spawn_two
 
-    spawn_two(_ddp_probe_worker, str(tmp_path))
-    cfg = arrol_cfg("rollout.arrol.head_lr=0.1", "rollout.arrol.head_updates=2", "rollout.arrol.head_probe=0.5")
-    single, plain = ARRoL(cfg, FakeModel(4)), ARRoL(cfg, FakeModel(4))
-    losses = [single.train_head(h, y, w) for (h, y, _), w in zip(toy_rounds(), PROBE_WEIGHTS)]
-    for h, y, _ in toy_rounds():
-        plain.train_head(h, y)
-    # the weights matter: the unweighted step ends elsewhere
-    unweighted = plain.head.state_dict()
-    assert any(not torch.allclose(unweighted[k], v, atol=1e-4) for k, v in single.head.state_dict().items())
+    spawn_two(_ddp_worker, str(tmp_path), weights)
+    single = ARRoL(head_cfg(weights), FakeModel(4))
+    losses = [single.train_head(h, y, w) for (h, y, _), w in zip(toy_rounds(), toy_round_weights(weights))]
+    if weights is not None:
+        plain = ARRoL(head_cfg(weights), FakeModel(4))
+        for h, y, _ in toy_rounds():
+            plain.train_head(h, y)
+        # the weights matter: the unweighted step ends elsewhere
+        unweighted = plain.head.state_dict()
+        assert any(not torch.allclose(unweighted[k], v, atol=1e-4) for k, v in single.head.state_dict().items())
     for r in range(2):
-        got = torch.load(tmp_path / f"probe{r}.pt", weights_only=False)
-        assert got["losses"] == pytest.approx(losses, rel=1e-5)  # Σ w·BCE / Σ w over both ranks' rows
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)  # (Σ w·)BCE / (Σ w or the row count), both ranks' rows
         for k, v in single.head.state_dict().items():
             assert torch.allclose(got["head"][k], v, atol=1e-6), k

@@ -17,20 +17,7 @@ from anabranch.eval.passk import majority_correct
 from anabranch.rollout.base import Rollout
 from anabranch.trainer import arrol_rollouts
 from anabranch.trainer.arrol_rollouts import ARRoL
-
-EOS, PAD = 3, 0
-
-
-def arrol_cfg(*extra):
-    return load_config(None, ["rollout.arrol.enabled=true", "rollout.n=2", "rollout.max_new_tokens=5",
-                              "rollout.arrol.prune_at=2", *extra])
-
-
-class FakeModel(torch.nn.Module):
-    def __init__(self, hidden_size):
-        super().__init__()
-        self.config = SimpleNamespace(hidden_size=hidden_size)
-        self.w = torch.nn.Parameter(torch.zeros(1))
+from arrol_fixtures import EOS, PAD, FakeModel, ScriptedBackend, Tok, arrol_cfg, phase_one
 
 
 # ----------------------------------------------------------------------------- importance weights, weighted BCE
@@ -88,38 +75,9 @@ def test_weighted_head_step_by_hand():
 
 # ----------------------------------------------------------------------------- the probe in the two-phase rollout
 
-class Tok:
-    pad_token_id = PAD
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids if not (skip_special_tokens and i in (EOS, PAD)))
-
-
-class ScriptedBackend:
-    """Phase 1 from ``phase_one``; each continue_ids call takes its continuation rows from the next script."""
-
-    eos_ids = [EOS]
-
-    def __init__(self, scripts):
-        self.scripts, self.continued = list(scripts), []
-
-    def generate(self, prompts, n, max_new_tokens=None):
-        return phase_one(prompts, n)
-
-    def continue_ids(self, sequences, max_new, seed=None):
-        self.continued.append((sequences, max_new, seed))
-        rows = self.scripts.pop(0)
-        return [(rows[i % len(rows)][:b], None) for i, b in enumerate(max_new)]
-
-
-def phase_one(prompts, n):
-    """Two prompts, n' = 4 prefixes of 2 tokens each; row 2 ended (EOS), the rest open."""
-    resp = [[5, 6], [7, 8], [9, EOS], [10, 11], [12, 13], [14, 15], [16, 17], [18, 19]]
-    return Rollout(prompt_ids=torch.tensor([[PAD, 1]] * 4 + [[2, 4]] * 4),
-                   prompt_mask=torch.tensor([[0, 1]] * 4 + [[1, 1]] * 4),
-                   response_ids=torch.tensor(resp), response_mask=torch.ones(8, 2, dtype=torch.long),
-                   group_index=torch.arange(2).repeat_interleave(4), prompts=list(prompts),
-                   completions=[""] * 8, truncated=torch.tensor([1, 1, 0, 1, 1, 1, 1, 1]).bool())
+def open_row_3(prompts, n):
+    """This file's phase 1: only row 2 ended (EOS); row 3, group 0's bottom survivor, is continued too."""
+    return phase_one(prompts, n, ended=(2,))
 
 
 H = torch.tensor([[3.0], [1.0], [0.0], [-3.0], [-2.0], [2.0], [0.5], [-0.5]])  # head w = 1: p = σ(h)
@@ -138,9 +96,9 @@ def pruning_state(monkeypatch, *extra):
 def test_probe_trains_the_head_on_middle_ranked_prefixes_and_leaves_the_batch(monkeypatch):
     survivors = [[20, EOS, PAD], [21, 22, 23], [24, EOS, PAD]]
     off = pruning_state(monkeypatch)
-    plain = off.generate(ScriptedBackend([survivors]), Tok(), ["p", "q"], off.cfg)
+    plain = off.generate(ScriptedBackend([survivors], first=open_row_3), Tok(), ["p", "q"], off.cfg)
     on = pruning_state(monkeypatch, "rollout.arrol.head_probe=0.5")
-    backend = ScriptedBackend([survivors, [[30, EOS, PAD]]])
+    backend = ScriptedBackend([survivors, [[30, EOS, PAD]]], first=open_row_3)
     out = on.generate(backend, Tok(), ["p", "q"], on.cfg)
     # the policy's batch: the same rows, token for token; the survivors' continuation is the first call, unseeded
     for f in ("response_ids", "response_mask", "truncated", "group_index", "prompt_ids"):
@@ -154,7 +112,7 @@ def test_probe_trains_the_head_on_middle_ranked_prefixes_and_leaves_the_batch(mo
     seqs, budgets, seed = backend.continued[1]
     assert seed is not None and budgets == [3] * len(seqs)  # the probe's own seed, the survivors' budget
     opened = [r for r in rows if r != 2]  # row 2 had ended: nothing to continue
-    assert probe.rollout.response_ids[:, :2].tolist() == phase_one(["p", "q"], 4).response_ids[rows].tolist()
+    assert probe.rollout.response_ids[:, :2].tolist() == open_row_3(["p", "q"], 4).response_ids[rows].tolist()
     assert on.metrics["arrol/probe_tokens"] == 2 * len(opened)  # "30, EOS" per open probed row
     seen = {}
 
@@ -181,7 +139,7 @@ def test_the_probe_draw_is_seeded_by_seed_update_and_rank(monkeypatch):
     def rows_of(updates, seed="1"):
         state = pruning_state(monkeypatch, "rollout.arrol.head_probe=0.5", f"trainer.seed={seed}")
         state.updates = updates
-        state.generate(ScriptedBackend([[[20, EOS]], [[30, EOS]]]), Tok(), ["p", "q"], state.cfg)
+        state.generate(ScriptedBackend([[[20, EOS]], [[30, EOS]]], first=open_row_3), Tok(), ["p", "q"], state.cfg)
         return state.probe.predicted.tolist()
 
     assert rows_of(3) == rows_of(3)

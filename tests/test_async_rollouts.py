@@ -414,6 +414,24 @@ def test_settings_that_cannot_run_asynchronously_are_refused_at_load(tiny_model_
         async_cfg(tiny_model_dir, write_jsonl, tmp_path, **extra)
 
 
+def test_auto_micro_batch_tokens_is_refused_at_train_start_on_cuda(tiny_model_dir, write_jsonl, tmp_path,
+                                                                   monkeypatch):
+    # On CUDA the auto budget (trainer/gpu_budget.py) reads torch.cuda.max_memory_allocated, which would count the
+    # generation thread's memory too: refused where the device is known (train start), before any step.
+    import anabranch.trainer.async_rollouts as async_rollouts
+
+    monkeypatch.setattr(async_rollouts, "on_cuda", lambda c: True)  # a GPU stand-in: the model stays on the CPU
+    cfg = async_cfg(tiny_model_dir, write_jsonl, tmp_path)
+    assert cfg.trainer.micro_batch_tokens == -1  # the default: auto
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=-1 \(auto\) on a CUDA device.*fixed "
+                                          r"trainer\.micro_batch_tokens"):
+        train(cfg)
+    # A fixed budget runs (one step), as does auto on the CPU (the other tests here)
+    result = train(async_cfg(tiny_model_dir, write_jsonl, tmp_path,
+                             **{"trainer.micro_batch_tokens": 4096, "trainer.steps": 1}))
+    assert len(result.history) == 1
+
+
 def test_its_knobs_are_refused_while_it_is_off(tiny_model_dir, write_jsonl, tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.async_rollouts\.weight_cap.*enabled=true"):
         async_cfg(tiny_model_dir, write_jsonl, tmp_path, **{"trainer.async_rollouts.enabled": False,

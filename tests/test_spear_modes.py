@@ -156,8 +156,9 @@ def test_separate_step_is_one_optimizer_step_whatever_ppo_epochs(tiny_model_dir)
 
 
 def test_no_replay_step_at_a_zero_coefficient_even_under_adamw(tiny_model_dir):
-    # c_k = 0 (step 0 of the warm-up): the replay gradient is 0, yet AdamW would move the weights along the
-    # on-policy step's first moment and decay them a second time. No step is taken: weights and moments unchanged.
+    # c_k > 0 throughout a run; the guard only protects direct calls: at c_k = 0 (set by hand here) the replay gradient
+    # is 0, yet AdamW would move the weights along the on-policy step's first moment and decay them a second time.
+    # No step is taken: weights and moments unchanged.
     model = _model(tiny_model_dir)
     cfg = _cfg(replay_rows=2, recalibration="decay", replay_step="separate")
     sp = Spear(cfg, model=model)

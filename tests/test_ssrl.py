@@ -15,6 +15,7 @@ from anabranch.rollout.search_tool import format_results, index_for
 from anabranch.rollout.self_search import (SelfSearchBackend, Sim2RealBackend, count_searches, evaluation_backend,
                                            information_spans, information_text, information_token_mask,
                                            mask_information, with_self_search)
+from scripted_backend import Scripted
 
 EOS_PIECE = "<eos>"
 
@@ -209,33 +210,11 @@ def test_weighted_sum_is_the_piecewise_reward():
 TOK = char_tokenizer()
 
 
-class ScriptedSearch:
-    """Turn k of the response is ``script[k]``, k the <information> blocks in the sequence so far."""
-
-    def __init__(self, script):
-        self.script, self.eos_ids, self.stops = script, [TOK.eos_token_id], []
-
-    def continue_ids(self, seqs, max_new, stop=(), greedy=False, seed=None):
-        self.stops.append(list(stop))
-        out = []
-        for s, budget in zip(seqs, max_new):
-            k = TOK.decode(s, skip_special_tokens=False).count("<information>")
-            ids = TOK(self.script[min(k, len(self.script) - 1)], add_special_tokens=False)["input_ids"][:budget]
-            out.append((ids, [-0.1] * len(ids)))
-        return out
-
-    def generate(self, prompts, n, greedy=False, max_new_tokens=None, seed=None):
-        raise AssertionError("sim2real must generate through the tool loop")
-
-    def sync_weights(self, model):
-        pass
-
-
 def test_sim2real_inserts_the_search_tools_passages_as_information():
     cfg = RolloutConfig(self_search=SelfSearchConfig(enabled=True, sim2real=True), max_new_tokens=3000,
                         search_top_k=1, tool_output_max_tokens=2000)
     first, second = "<think>t</think><search>Vistula river sea</search>", "<answer>Baltic Sea</answer><|im_end|>"
-    inner = ScriptedSearch([first, second])
+    inner = Scripted([first, second], marker="<information>", tok=TOK)  # turn k after k <information> blocks
     backend = with_self_search(inner, TOK, cfg, evaluation=True)
     assert isinstance(backend, Sim2RealBackend)
     ro = backend.generate(["Q\n"], 1, greedy=True)

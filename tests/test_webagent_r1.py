@@ -255,6 +255,14 @@ def test_group_advantages_are_over_trajectories_not_rows():
     ({"algorithm.safe.enabled": True, "algorithm.kl_coef": 0.0},
      r"algorithm.safe.enabled \(its PID reads the batch.s mean reward"),
     ({"rollout.context_compression.keep_last": 0}, "keep_last"),
+    # truncated episodes give no turn row: a rank with only cut episodes would reach the update empty (DDP: a hang)
+    ({"algorithm.overlong_filter": True}, r"algorithm.overlong_filter with rollout.context_compression.*give no turn "
+                                          r"row.*set algorithm.overlong_filter=false"),
+    # trainer/replay.rebuilding_method's set, each naming the method and what turns it off
+    ({"algorithm.hpt.enabled": True}, r"with algorithm.hpt.enabled: .*set algorithm.hpt.enabled=false"),
+    ({"algorithm.dsdr_local_coef": 0.1}, r"with algorithm.dsdr_local_coef > 0: .*set algorithm.dsdr_local_coef=0"),
+    ({"rollout.extra_rollouts": "dars"}, r"with rollout.extra_rollouts=dars: .*set rollout.extra_rollouts=none"),
+    ({"trainer.async_rollouts.enabled": True}, r"does not combine with trainer.async_rollouts.enabled"),
 ])
 def test_refusals_at_load(over, match):
     base = {**ENV_BASE, "rollout.context_compression.enabled": True, "algorithm.advantage": "grpo",

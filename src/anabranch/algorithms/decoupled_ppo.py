@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from anabranch.rollout.importance import tis_weights
-
 CAP_MODES = ("truncate", "filter")
 # The objectives whose per-token loss is linear in Â with a non-negative factor and clips r = π_θ / π_old: the
 # decoupled weight folded into Â is then exactly AReaL's objective.
@@ -46,12 +44,20 @@ DECOUPLED_LOSSES = ("ppo_clip",)
 def behaviour_weights(prox_lp: torch.Tensor, behav_lp: torch.Tensor, cap: float, mode: str) -> torch.Tensor:
     """[B, T] w = π_prox / π_behav per token, detached, capped at ``cap`` (``truncate``: min(w, cap); ``filter``:
     0 where w > cap)."""
+    return _weights_and_ratios(prox_lp, behav_lp, cap, mode)[0]
+
+
+def _weights_and_ratios(prox_lp: torch.Tensor, behav_lp: torch.Tensor, cap: float,
+                        mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the capped weights, the ratios π_prox / π_behav before the cap): one exp for both, the weights and the
+    capped-fraction metric."""
     behav_lp = behav_lp.to(prox_lp.device)
-    if mode == "truncate":  # TIS's weight (rollout/importance.py), with π_prox in π_old's place
-        return tis_weights(prox_lp, behav_lp, cap)
-    if mode == "filter":
-        w = torch.exp((prox_lp.detach() - behav_lp).clamp(max=30.0))
-        return torch.where(w > cap, torch.zeros_like(w), w)
+    if mode == "truncate":  # TIS's weight (rollout/importance.tis_weights), with π_prox in π_old's place
+        ratio = torch.exp(prox_lp.detach() - behav_lp)
+        return ratio.clamp(max=cap), ratio
+    if mode == "filter":  # exp of at most 30: an uncapped weight (cap = inf) stays finite
+        ratio = torch.exp((prox_lp.detach() - behav_lp).clamp(max=30.0))
+        return torch.where(ratio > cap, torch.zeros_like(ratio), ratio), ratio
     raise ValueError(f"weight_cap_mode must be one of {CAP_MODES} (got {mode!r})")
 
 
@@ -59,13 +65,12 @@ def decoupled_advantages(advantages: torch.Tensor, prox_lp: torch.Tensor, behav_
                          mask: torch.Tensor, cap: float, mode: str) -> tuple[torch.Tensor, dict[str, float]]:
     """(Â·w, the weight's metrics over ``mask``'s tokens): the decoupled objective's weight on the advantages
     ([B] or [B, T]; the result is [B, T])."""
-    w = behaviour_weights(prox_lp, behav_lp, cap, mode)
+    w, ratio = _weights_and_ratios(prox_lp, behav_lp, cap, mode)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     m = mask.bool()
     metrics: dict[str, float] = {}
     if m.any():
-        raw = torch.exp(prox_lp.detach() - behav_lp.to(prox_lp.device))[m]
         metrics = {"async/behaviour_weight_mean": w[m].mean().item(),
-                   "async/behaviour_capped_frac": (raw > cap).float().mean().item(),
+                   "async/behaviour_capped_frac": (ratio[m] > cap).float().mean().item(),
                    "async/behaviour_kl": (behav_lp.to(prox_lp.device) - prox_lp.detach())[m].mean().item()}
     return adv * w, metrics

@@ -26,6 +26,7 @@ from typing import Callable, Hashable
 import torch
 
 from anabranch.algorithms.grpo import group_stats
+from anabranch.rollout.base import right_padded_values
 
 
 def needs_environment(cfg, name: str, does: str) -> str | None:
@@ -95,11 +96,7 @@ def env_turns_checked(env_turns, response_mask: torch.Tensor, name: str, needs: 
 
 def per_turn_table(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[B, max(1, K)] of ragged per-row, per-turn values, 0 past a row's end."""
-    table = torch.zeros(len(rows), max([1] + [len(v) for v in rows]), dtype=dtype)
-    for i, v in enumerate(rows):
-        if v:
-            table[i, :len(v)] = torch.tensor(v, dtype=dtype)
-    return table
+    return right_padded_values(rows, max([1] + [len(v) for v in rows]), dtype=dtype)
 
 
 def place_on_turns(table: torch.Tensor, turns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

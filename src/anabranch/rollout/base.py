@@ -232,13 +232,15 @@ def right_padded(sequences: list[list[int]], pad: int, min_width: int = 1) -> tu
     return ids, mask
 
 
-def right_padded_values(values: list[list[float]], width: int, fill: float = 0.0) -> torch.Tensor:
-    """[len(values), width] float32, row i ``values[i]`` then ``fill``: per-token floats (log-probs, advantages)
-    aligned with :func:`right_padded`'s ids of the same rows (each ``values[i]`` at most ``width`` long)."""
-    out = torch.full((len(values), width), float(fill), dtype=torch.float32)
+def right_padded_values(values: list[list[float]], width: int, fill: float = 0.0,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len(values), width] of ``dtype``, row i ``values[i]`` then ``fill``: per-token floats (log-probs,
+    advantages) aligned with :func:`right_padded`'s ids of the same rows (each ``values[i]`` at most ``width``
+    long), or any ragged per-row table."""
+    out = torch.full((len(values), width), float(fill), dtype=dtype)
     for i, v in enumerate(values):
         if v:
-            out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
+            out[i, :len(v)] = torch.tensor(v, dtype=dtype)
     return out
 
 

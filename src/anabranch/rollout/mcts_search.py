@@ -68,7 +68,8 @@ from typing import Callable
 
 import torch
 
-from anabranch.rollout.base import Rollout, cut_at_eos, field_of_all, leaves_rollout, left_padded, pad_id
+from anabranch.rollout.base import (Rollout, cut_at_eos, field_of_all, leaves_rollout, left_padded, pad_id,
+                                     right_padded_values)
 
 
 class Node:
@@ -278,9 +279,7 @@ def flat_rollout(prompt_tokens: list[list[int]], prompts: list[str], groups: lis
     p_ids, p_mask = left_padded([prompt_tokens[g] for g in groups], pad_id(tokenizer, 0))
     out = leaves_rollout(tokenizer, p_ids, p_mask, torch.tensor(groups, dtype=torch.long), [r[0] for r in rows],
                          [r[1] for r in rows], prompts)
-    out.mcts_values = torch.zeros(out.response_ids.shape, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out.mcts_values[i, :len(r[2])] = torch.tensor(r[2], dtype=torch.float32)
+    out.mcts_values = right_padded_values([r[2] for r in rows], out.response_ids.shape[1])
     return out
 
 

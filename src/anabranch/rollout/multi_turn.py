@@ -67,8 +67,9 @@ NO_CALLS_LEFT = "error: no tool calls left"
 MAX_PARALLEL_CALLS = 8  # tool calls running at once (python calls are sandbox processes)
 
 
-def result_text(output: str) -> str:
-    return f"\n<{RESULT_TAG}>\n{output}\n</{RESULT_TAG}>\n"
+def result_text(output: str, tag: str = RESULT_TAG) -> str:
+    """A tool's output as the block appended to the response (``tag``: SSRL's sim2real writes ``information``)."""
+    return f"\n<{tag}>\n{output}\n</{tag}>\n"
 
 
 class ToolPool:
@@ -210,6 +211,7 @@ class ToolUseBackend(BackendWrapper):
 
     KEY = "rollout.tools"
     SHARDED_REASON = "the processes' responses call tools at different turns"
+    result_tag = RESULT_TAG  # the tag of the blocks tool outputs are appended in (result_text)
 
     def __init__(self, backend, tokenizer, tools: list[Tool], cfg: RolloutConfig, arpo=None):
         # arpo: rollout.arpo's brancher (rollout/arpo_branching.py), None when off
@@ -279,7 +281,7 @@ class ToolUseBackend(BackendWrapper):
         ids, cut = _head_ids(tok, output, limit)
         if cut:
             output = tok.decode(ids, skip_special_tokens=False) + " ...(truncated)"
-        return _encode(tok, result_text(output))
+        return _encode(tok, result_text(output, self.result_tag))
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], n: int, greedy: bool = False,

@@ -25,8 +25,8 @@ Sim2Real (``sim2real``): at evaluation, the trainer's held-out eval and ``anabra
 ``</search>``, the BM25 search tool (rollout/search_tool.py: rollout.search_corpus, search_top_k) answers the query,
 and its passages enter as ``"\\n<information>\\n...\\n</information>\\n"`` (not sampled, ``loss_mask`` 0), then the
 policy resumes. This is the multi-turn tool loop (rollout/multi_turn.py) with the search tool, whose call tags are
-already ``<search>...</search>``; the one thing the loop cannot be told is the result block's tag (a module
-constant, ``<result>``), so :class:`Sim2RealBackend` overrides only how an output is wrapped.
+already ``<search>...</search>``; :class:`Sim2RealBackend` changes only the result block's tag
+(``ToolUseBackend.result_tag``, ``<result>`` by default).
 
 Metrics (``self_search/...``): ``searches_mean``, complete ``<search>...</search>`` pairs per response (counted in
 the decoded completions); ``masked_token_frac``, the share of response tokens masked as information (0 with
@@ -54,10 +54,11 @@ import torch
 
 from anabranch.config import RolloutConfig
 from anabranch.rollout.base import BackendWrapper, Rollout
-from anabranch.rollout.multi_turn import ToolUseBackend, _encode, _head_ids
+from anabranch.rollout.multi_turn import ToolUseBackend, result_text
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
-INFO_OPEN, INFO_CLOSE = "<information>", "</information>"
+INFO_TAG = "information"
+INFO_OPEN, INFO_CLOSE = f"<{INFO_TAG}>", f"</{INFO_TAG}>"
 _SEARCH_PAIR = re.compile(re.escape(SEARCH_OPEN) + r".*?" + re.escape(SEARCH_CLOSE), re.DOTALL)
 
 
@@ -181,7 +182,7 @@ class SelfSearchBackend(BackendWrapper):
 
 
 def information_text(output: str) -> str:
-    return f"\n{INFO_OPEN}\n{output}\n{INFO_CLOSE}\n"
+    return result_text(output, INFO_TAG)
 
 
 class Sim2RealBackend(ToolUseBackend):
@@ -190,20 +191,12 @@ class Sim2RealBackend(ToolUseBackend):
 
     KEY = "rollout.self_search.sim2real"
     SHARDED_REASON = "the held-out eval's responses call the search tool at different turns"
+    result_tag = INFO_TAG  # ToolUseBackend.output_ids writes <information> blocks, cut as any tool output
 
     def __init__(self, backend, tokenizer, cfg: RolloutConfig):
         from anabranch.rollout.tools import build_tools
 
         super().__init__(backend, tokenizer, build_tools(["search"], cfg.tool_timeout_s, cfg), cfg)
-
-    def output_ids(self, output: str) -> list[int]:
-        """The search tool's passages as an ``<information>`` block (ToolUseBackend's is a ``<result>`` block), cut
-        to rollout.tool_output_max_tokens as the tool loop cuts any output."""
-        tok = self.tokenizer
-        ids, cut = _head_ids(tok, output, self.cfg.tool_output_max_tokens)
-        if cut:
-            output = tok.decode(ids, skip_special_tokens=False) + " ...(truncated)"
-        return _encode(tok, information_text(output))
 
 
 def with_self_search(backend, tokenizer, cfg: RolloutConfig, evaluation: bool = False):

@@ -52,7 +52,7 @@ import torch
 from anabranch.algorithms.arrol import QualityHead, balanced_keep, binary_auc, head_loss_sum
 from anabranch.config import ConfigError
 from anabranch.range_checks import first_failed
-from anabranch.rollout.base import Rollout, cut_at_eos, right_padded
+from anabranch.rollout.base import Rollout, cut_at_eos, right_padded, right_padded_values
 from anabranch.trainer.aux_head import all_reduce_grads, hidden_at, seeded, static_token_budget
 
 
@@ -101,11 +101,7 @@ def continue_survivors(backend, first: Rollout, rows: list[int], budget: int, pa
             truncated[i] = not ended
             lps[i] = None if (clp is None or lps[i] is None) else lps[i] + list(clp[:len(kept)])
     resp, rmask = right_padded(tokens, pad)
-    slp = None
-    if all(lp is not None for lp in lps):
-        slp = torch.zeros(resp.shape)
-        for i, lp in enumerate(lps):
-            slp[i, :len(lp)] = torch.tensor(lp, dtype=slp.dtype)
+    slp = right_padded_values(lps, resp.shape[1]) if all(lp is not None for lp in lps) else None
     sub.response_ids, sub.response_mask, sub.sample_log_probs = resp, rmask, slp
     sub.truncated = torch.tensor(truncated)
     sub.completions = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

@@ -58,6 +58,11 @@ observations are committed in the main thread when the batch is taken (``next_ba
 so the thread scoring batch t+1 sees the state after batch t (as a synchronous run does), and a checkpoint after
 step t holds exactly the batches trained up to t (batch t+1's observations stay pending, never saved).
 
+Memory: on CUDA the auto micro-batch budget (``trainer.micro_batch_tokens=-1``, trainer/gpu_budget.py) is refused
+at train start (the device is known there, not at config load): it measures the update's peak memory with
+``torch.cuda.max_memory_allocated``, which would also count the generation thread's allocations on the same device;
+a fixed ``trainer.micro_batch_tokens`` (> 0, or 0 for rows) is asked for instead.
+
 Checkpoints: a checkpoint is written after a step, when batch t+1 is generated but not trained. It is not saved:
 its prompts' indices are, and a resumed run regenerates that batch first, with the resumed weights (on-policy),
 then continues as before. Errors: an exception in the thread is re-raised in the main thread when it joins; an
@@ -92,6 +97,7 @@ def check_config(cfg) -> str | None:
     if a.weight_cap_mode not in CAP_MODES:
         return f"trainer.async_rollouts.weight_cap_mode must be one of {', '.join(CAP_MODES)} (got {a.weight_cap_mode!r})"
     from anabranch.algorithms.resolve import apply_recipe
+    from anabranch.trainer.method_sets import row_generating_methods
 
     loss = apply_recipe(cfg.algorithm).loss
     if loss not in DECOUPLED_LOSSES:
@@ -110,13 +116,12 @@ def check_config(cfg) -> str | None:
              ("task.inspo.enabled", t.inspo.enabled, "false"),
              ("rollout.temperature_schedule", r.temperature_schedule != "constant",
               "constant (EAD's temperature follows the training step)")]
-    # Methods with their own rollout rounds or rewritten rows, run in the main thread beside the generator.
-    own = [("algorithm.guide.enabled", al.guide.enabled), ("algorithm.scaffold.enabled", al.scaffold.enabled),
-           ("algorithm.agent_rlvr.enabled", al.agent_rlvr.enabled), ("algorithm.ampo.enabled", al.ampo.enabled),
-           ("algorithm.scope.enabled", al.scope.enabled), ("algorithm.svs.enabled", al.svs.enabled),
-           ("algorithm.ssp.enabled", al.ssp.enabled), ("algorithm.recap.enabled", al.recap.enabled),
-           ("algorithm.hpt.enabled", al.hpt.enabled), ("algorithm.spear.enabled", al.spear.enabled),
-           ("algorithm.rorecomp_fraction", al.rorecomp_fraction != 0)]
+    # Methods with their own rollout rounds or rewritten rows, run in the main thread beside the generator: the
+    # row-generating methods (trainer/method_sets.ROW_GENERATING: Guide, scaffolding, AMPO, SCOPE, SvS, SSP,
+    # Agent-RLVR), then this file's extras, which rewrite or replay rows.
+    own = [(key, True) for key in row_generating_methods(cfg)] + [
+        ("algorithm.recap.enabled", al.recap.enabled), ("algorithm.hpt.enabled", al.hpt.enabled),
+        ("algorithm.spear.enabled", al.spear.enabled), ("algorithm.rorecomp_fraction", al.rorecomp_fraction != 0)]
     for key, on, instead in reads:
         if on:
             return f"{KEY} with {key}: the next batch is drawn before this step's results exist; set {key.split('=')[0]}={instead}"
@@ -131,6 +136,11 @@ def check_config(cfg) -> str | None:
         return (f"{KEY} with {name}: its rollout rounds read the training policy or step state while the update runs; "
                 "set it off (plain sampling) or " + f"{KEY}=false")
     return None
+
+
+def on_cuda(c) -> bool:
+    """Whether the run trains on a CUDA device (a function, so that a test can stand in for a GPU)."""
+    return c.device.type == "cuda"
 
 
 @dataclasses.dataclass
@@ -160,6 +170,13 @@ class AsyncRollouts:
         if dist.world_size > 1:  # a launch that did not go through distributed.num_processes
             raise ConfigError(check_config(dataclasses.replace(
                 cfg, distributed=dataclasses.replace(cfg.distributed, num_processes=dist.world_size))))
+        if cfg.trainer.micro_batch_tokens == -1 and on_cuda(c):  # the device is known here, not at config load
+            raise ConfigError(
+                f"{KEY} with trainer.micro_batch_tokens=-1 (auto) on a CUDA device: the auto budget "
+                "(trainer/gpu_budget.py) measures the update's peak memory with torch.cuda.max_memory_allocated, "
+                "which also counts what the generation thread allocates on the same device meanwhile, so the budget "
+                "would be wrong; set a fixed trainer.micro_batch_tokens > 0 (tokens per micro-batch) or 0 (rows of "
+                "trainer.micro_batch_size)")
         self.vllm = cfg.rollout.backend == "vllm"
         if self.vllm and any(s.meta.get("needs_policy_forward") or s.meta.get("needs_token_stats") for s in c.rewards):
             raise ConfigError(f"{KEY} with rollout.backend=vllm and a reward that runs the policy (token statistics, "

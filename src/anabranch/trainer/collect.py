@@ -140,7 +140,9 @@ def generate_round(c, idx: list[int], cfg, step: int | None = None, round_: int 
     """:func:`generate_scored`, then with ``rollout.extra_rollouts=dars`` the hard prompts' extra
     samples appended to their groups (trainer/extra_rollouts.py), before any dynamic-sampling filter
     (the DARS authors' code judges the enlarged groups). Then the stateful rewards' observations of the
-    round are committed (gathered from every rank under ``dist``): every rank runs the same rounds."""
+    round are committed (gathered from every rank under ``dist``): every rank runs the same rounds.
+    ``commit=False`` leaves them pending: async rollouts (trainer/async_rollouts.py) score in a background thread
+    and commit them later, in the main thread, when the batch is taken (``AsyncRollouts.next_batch``)."""
     batch = generate_scored(c, idx, cfg, step, round_)
     if step is not None and cfg.rollout.arrol.enabled:  # ARRoL's head learns from the round's survivors
         from anabranch.trainer.arrol_rollouts import arrol_observe

@@ -13,10 +13,11 @@ are terms the authors' replay loss does not have): the KL to the reference (``kl
 the in-update controllers EPO, SAFE, SIREN, ER shaping and RLFR. It is one optimizer step whatever
 ``algorithm.ppo_epochs`` (the on-policy update's epochs are its own).
 
-c_k = 0 (only at step 0 of the warm-up) takes no step at all: under Adam(W) a zero gradient still moves the weights
-(the on-policy step's first moment, and weight decay a second time). For small c_k > 0 that momentum step remains,
-as in the authors' code (its replay ``_optimizer_step`` runs whatever c_k): early in the warm-up the replay step is
-mostly a second, smaller step along the on-policy direction.
+c_k > 0 throughout a run (steps start at 1, ``coef > 0`` is required, and rows never replay in the step that sampled
+them); the guard that takes no step at c_k = 0 only protects direct calls (under Adam(W) a zero gradient still moves
+the weights: the on-policy step's first moment, and weight decay a second time). For small c_k > 0 that momentum step
+remains, as in the authors' code (its replay ``_optimizer_step`` runs whatever c_k): early in the warm-up the replay
+step is mostly a second, smaller step along the on-policy direction.
 
 Under DDP every rank takes the step when any rank has its ⌈K/W⌉ rows due (trainer/spear_replay.py); a rank with no
 row due trains :func:`empty_rows`, one row with no trained token: an exactly zero gradient and nothing in the
@@ -77,7 +78,8 @@ def separate_update(sp, chunk: Chunk, adv_row: torch.Tensor, coef: float, c, dis
                     oom_retry: bool = False) -> dict:
     """One optimizer step of c_k·L_SIL on ``chunk`` (the replayed rows, marked with their behaviour log-probs).
     ``c``: model, optimizer, algo, ref_model, modules (trainer/components); ``dist``: the loop's Distributed.
-    Returns the spear/replay/... metrics and ``spear/cov_clipped_frac``; {} and no step when c_k = 0."""
+    Returns the spear/replay/... metrics and ``spear/cov_clipped_frac``; {} and no step when c_k = 0 (never in a run:
+    c_k > 0 throughout; the guard only protects direct calls)."""
     if coef == 0:  # Adam(W) would still move the weights on a zero gradient (module docstring); c_k is global
         return {}
     adv, frac = replay_advantages(sp, chunk, adv_row, micro_tokens)

@@ -23,7 +23,8 @@ exactly M-GRPO's weighting (R and G are global sums under DDP, as the update's o
 (``kl_in=loss``) is not advantage-weighted: it is the mean over rows of each row's token mean (assumed; the paper's
 "+KL" does not say how it is averaged). Rewards, advantages' statistics and every reward / accuracy / length metric
 stay per trajectory (the loop's batch is untouched; only the update's rows are expanded). Under no compression this is
-the same weighting as Flow-GRPO's ``advantage=turn_broadcast`` with ``turn_credit_turn_mean=true`` on one sequence.
+the same weighting as Flow-GRPO's ``advantage=turn_broadcast`` with ``turn_credit_turn_mean=true`` on one sequence,
+aggregated with ``loss_agg_mode=seq-mean-token-sum`` (its per-token weights 1/(T_i·|a_{i,j}|) hold the turn means).
 
 Confirmed (authors' released code, read): group-normalized trajectory rewards with std + 1e-4, binary task success.
 Assumed: the loss above as summarized (the paper's method text was not available to read), the KL averaging, and the
@@ -151,6 +152,17 @@ def check_config(cfg) -> str | None:
     if a.loss_agg_mode != "seq-mean-token-mean":
         return ("rollout.context_compression averages each turn row's tokens, then the rows (M-GRPO's 1/|a_ij| then "
                 f"1/(G·T_i)); set algorithm.loss_agg_mode=seq-mean-token-mean (got {a.loss_agg_mode!r})")
+    if a.overlong_filter:  # a rank whose trajectories were all cut would reach the update with no row (DDP: a hang)
+        return ("algorithm.overlong_filter with rollout.context_compression: it empties the loss mask of truncated "
+                "trajectories (episodes cut by rollout.max_env_turns or the token budget), which then give no turn "
+                "row, so a step (under DDP, one rank while the others wait in the update's collectives) can reach the "
+                "update with no rows at all; set algorithm.overlong_filter=false")
+    from anabranch.trainer.replay import rebuilding_method
+
+    if (key := rebuilding_method(cfg)) is not None:  # they read or rebuild the step's rows by batch position
+        return (f"rollout.context_compression (one update row per turn) does not combine with {key}: that method "
+                "rebuilds, re-weights or adds per-token inputs to the step's trajectory rows by their position in the "
+                f"batch, which the turn rows replace; set {_off_setting(key)}")
     for on, what in ((a.kl_coef > 0 and (a.kl_in == "reward" or a.kl_target is not None),
                       "algorithm.kl_in=reward / kl_target (a KL of the trajectory's tokens; use kl_in=loss)"),
                      (bool(a.ucas) or a.progrpo_alpha > 0 or a.ppl_shaping_coef > 0,
@@ -161,16 +173,23 @@ def check_config(cfg) -> str | None:
                      # turn rows a T_i-turn episode would count T_i times in r_t and H_t
                      (a.safe.enabled, "algorithm.safe.enabled (its PID reads the batch's mean reward and mean "
                       "response entropy, which over turn rows would weigh each episode by its turn count)"),
-                     (a.hpt.enabled, "algorithm.hpt.enabled (it swaps groups for demonstrations)"),
-                     (a.rl_plus.enabled, "algorithm.rl_plus.enabled"), (a.calibrl.enabled, "algorithm.calibrl.enabled"),
-                     (bool(a.kdrl.teacher), "algorithm.kdrl.teacher (the teacher's per-token log-probs)"),
-                     (a.rltf_sd_coef > 0, "algorithm.rltf_sd_coef"),
-                     (a.dsdr_local_coef != 0, "algorithm.dsdr_local_coef"),
                      (a.er_shaping_coef > 0, "algorithm.er_shaping_coef"), (a.rlfr.enabled, "algorithm.rlfr.enabled"),
-                     (r.extra_rollouts != "none", f"rollout.extra_rollouts={r.extra_rollouts}"),
                      # the one-step-off-policy loop's behaviour log-probs are per trajectory token (trainer/async_rollouts.py)
                      (getattr(getattr(cfg.trainer, "async_rollouts", None), "enabled", False),
                       "trainer.async_rollouts.enabled")):
         if on:
             return f"rollout.context_compression (one update row per turn) does not combine with {what}; leave it off"
     return None
+
+
+def _off_setting(key: str) -> str:
+    """The setting that turns off a method named as :func:`trainer.replay.rebuilding_method` names it
+    ("algorithm.hpt.enabled", "algorithm.rltf_sd_coef > 0", "rollout.extra_rollouts=cure", "algorithm.kdrl.teacher")."""
+    name = key.split(" ")[0].split("=")[0]
+    if name.endswith(".enabled"):
+        return f"{name}=false"
+    if name == "rollout.extra_rollouts":
+        return "rollout.extra_rollouts=none"
+    if name == "algorithm.kdrl.teacher":
+        return 'algorithm.kdrl.teacher="" (no teacher)'
+    return f"{name}=0"
