@@ -106,3 +106,16 @@ def test_guard_counts_streaks_and_resets_on_a_good_step():
     assert (g.in_a_row, g.total, g.last_good_step, g.should_stop) == (1, 2, 3, False)
     g.observe(5, {"loss": float("nan"), "grad_norm": 0.0, "skipped_updates": 1.0})
     assert g.should_stop and "weights are those of step 3" in g.stop_message(5)
+
+
+def test_a_skipped_spear_replay_step_says_the_on_policy_update_was_applied():
+    g = NonFiniteGuard(limit=3)
+    # the on-policy step finite, SPEAR's separate replay step skipped (loop.py adds it to skipped_updates)
+    only_replay = g.observe(1, {"loss": 0.3, "grad_norm": 1.0, "skipped_updates": 1.0, "spear/replay/skipped": 1.0})
+    assert "replay step skipped, the on-policy update applied" in only_replay and "weights unchanged" not in only_replay
+    # both skipped (the on-policy step too): the weights did not move
+    both = g.observe(2, {"loss": 0.3, "grad_norm": 1.0, "skipped_updates": 2.0, "spear/replay/skipped": 1.0})
+    assert "weights unchanged" in both
+    nan_on_policy = g.observe(3, {"loss": float("nan"), "grad_norm": 1.0, "skipped_updates": 2.0,
+                                  "spear/replay/skipped": 1.0})
+    assert "weights unchanged" in nan_on_policy and g.in_a_row == 3

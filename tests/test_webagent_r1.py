@@ -254,6 +254,9 @@ def test_group_advantages_are_over_trajectories_not_rows():
     # SAFE's PID reads the update's mean reward: over turn rows an episode would count once per turn
     ({"algorithm.safe.enabled": True, "algorithm.kl_coef": 0.0},
      r"algorithm.safe.enabled \(its PID reads the batch.s mean reward"),
+    # SIREN's and EPO's seq-mode entropies are means over responses: an episode would count once per turn row
+    ({"algorithm.siren_coef": 0.005}, r"algorithm.siren_coef \(its entropy is a mean over responses"),
+    ({"algorithm.epo_coef": 0.1, "algorithm.epo_mode": "seq"}, r"algorithm.epo_mode=seq \(a mean over responses"),
     ({"rollout.context_compression.keep_last": 0}, "keep_last"),
     # truncated episodes give no turn row: a rank with only cut episodes would reach the update empty (DDP: a hang)
     ({"algorithm.overlong_filter": True}, r"algorithm.overlong_filter with rollout.context_compression.*give no turn "
@@ -269,6 +272,12 @@ def test_refusals_at_load(over, match):
             "algorithm.loss": "ppo_clip", "algorithm.loss_agg_mode": "seq-mean-token-mean"}
     with pytest.raises(ConfigError, match=match):
         load_with(**{**base, **over})
+
+
+def test_epo_per_token_entropy_still_combines_with_turn_rows():
+    base = {**ENV_BASE, "rollout.context_compression.enabled": True, "algorithm.advantage": "grpo",
+            "algorithm.loss": "ppo_clip", "algorithm.loss_agg_mode": "seq-mean-token-mean"}
+    assert load_with(**{**base, "algorithm.epo_coef": 0.1, "algorithm.epo_mode": "token"}).algorithm.epo_mode == "token"
 
 
 def test_options_without_compression_are_refused_and_a_good_config_loads():

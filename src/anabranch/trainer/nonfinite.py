@@ -31,8 +31,14 @@ class NonFiniteGuard:
         metrics["nonfinite/in_a_row"] = float(self.in_a_row)
         if not bad:
             return None
-        return (f"step {step}: non-finite loss or gradient (loss={loss}, grad_norm={grad}); update skipped, "
-                f"weights unchanged ({self.in_a_row} in a row, the run stops at "
+        # SPEAR's separate replay step adds its own skip to skipped_updates (trainer/loop.py) after the on-policy
+        # step was applied: then only that second step left the weights alone
+        replay_only = (metrics.get("spear/replay/skipped", 0.0) > 0 and math.isfinite(loss) and math.isfinite(grad)
+                       and metrics.get("skipped_updates", 0.0) <= metrics["spear/replay/skipped"])
+        what = ("SPEAR's replay step skipped, the on-policy update applied" if replay_only
+                else "update skipped, weights unchanged")
+        return (f"step {step}: non-finite loss or gradient (loss={loss}, grad_norm={grad}); {what} "
+                f"({self.in_a_row} in a row, the run stops at "
                 f"trainer.max_nonfinite_in_a_row={self.limit})")
 
     @property

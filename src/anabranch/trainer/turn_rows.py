@@ -173,6 +173,12 @@ def check_config(cfg) -> str | None:
                      # turn rows a T_i-turn episode would count T_i times in r_t and H_t
                      (a.safe.enabled, "algorithm.safe.enabled (its PID reads the batch's mean reward and mean "
                       "response entropy, which over turn rows would weigh each episode by its turn count)"),
+                     # SIREN's H̄ and EPO's seq mode average per-response entropies: over turn rows a T_i-turn
+                     # episode would count T_i times
+                     (a.siren_coef > 0, "algorithm.siren_coef (its entropy is a mean over responses, which over turn "
+                      "rows would weigh each episode by its turn count)"),
+                     (a.epo_coef > 0 and a.epo_mode == "seq", "algorithm.epo_mode=seq (a mean over responses, which "
+                      "over turn rows would weigh each episode by its turn count; epo_mode=token is per token)"),
                      (a.er_shaping_coef > 0, "algorithm.er_shaping_coef"), (a.rlfr.enabled, "algorithm.rlfr.enabled"),
                      # the one-step-off-policy loop's behaviour log-probs are per trajectory token (trainer/async_rollouts.py)
                      (getattr(getattr(cfg.trainer, "async_rollouts", None), "enabled", False),
